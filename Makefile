@@ -1,0 +1,37 @@
+# realm-jax: every target creates/updates .venv from requirements.txt first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SMOKE_DIR ?= runs/smoke
+
+.PHONY: venv test smoke lint format bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+smoke: $(STAMP)
+	$(PY) -m realm_jax smoke --workdir $(SMOKE_DIR)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check realm_jax configs tests bench
+	$(VENV)/bin/ruff format --check realm_jax configs tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format realm_jax configs tests bench
+	$(VENV)/bin/ruff check --fix realm_jax configs tests bench
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(SMOKE_DIR) .pytest_cache

@@ -1,0 +1,116 @@
+"""REALM pre-training configs.
+
+Variants (pass as `configs/realm.py:<variant>`):
+  smoke  tiny model, bundled sample corpus, CPU, a few minutes end to end.
+  small  4 layers x 256 wide: a CPU/GPU development size (also used by bench/).
+  base   BERT-base and the paper's hyperparameters (Guu et al. 2020), for a TPU pod.
+
+Every field is overridable on the command line, e.g. `--config.train.lr=1e-4`; the config is
+locked, so a misspelt key is an error.
+"""
+
+import ml_collections
+
+
+def _model(**kw) -> ml_collections.ConfigDict:
+    m = ml_collections.ConfigDict()
+    m.vocab_size = 30522  # WordPiece vocab (bert-base-uncased, shipped in realm_jax/assets)
+    m.hidden_size = 768  # transformer width
+    m.num_layers = 12  # transformer layers per encoder
+    m.num_heads = 12  # attention heads
+    m.intermediate_size = 3072  # feed-forward width
+    m.hidden_act = "gelu_new"  # gelu (erf), gelu_new (tanh approximation), relu
+    m.max_position_embeddings = 512  # learned absolute positions
+    m.type_vocab_size = 2  # segment ids
+    m.layer_norm_eps = 1e-12  # LayerNorm epsilon in BERT
+    m.proj_size = 128  # retrieval projection (REALM: 128)
+    m.span_hidden_size = 256  # ORQA span head width (fine-tuning only)
+    m.max_span_width = 10  # longest answer span in wordpieces (fine-tuning only)
+    m.reader_layer_norm_eps = 1e-3  # LayerNorm epsilon in the span head
+    m.share_embedders = False  # one BERT for query and document embedders (paper: separate)
+    m.dtype = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    m.init_embedder_from = ""  # HF folder (RealmEmbedder / BertModel) for both embedders
+    m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
+    m.update(kw)
+    return m
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    variant = arg or "smoke"
+    if variant not in ("smoke", "small", "base"):
+        raise ValueError(f"unknown variant {variant!r}; choose smoke, small or base")
+    c = ml_collections.ConfigDict()
+    c.variant = variant  # which variant this is (informational)
+
+    # ---------------------------------------------------------------- model
+    if variant == "smoke":
+        c.model = _model(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256,
+                         max_position_embeddings=256, span_hidden_size=32, max_span_width=5)
+    elif variant == "small":
+        c.model = _model(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024,
+                         span_hidden_size=64)
+    else:
+        c.model = _model()
+
+    # ---------------------------------------------------------------- data
+    c.data = ml_collections.ConfigDict()
+    c.data.corpus = "data/sample/corpus.jsonl"  # raw knowledge corpus (jsonl, tsv or folder of .txt)
+    c.data.sentences = ""  # raw pre-training text; "" = the corpus itself
+    c.data.data_dir = ""  # prepared TFDS datasets; "" = <workdir>/data
+    c.data.block_len = 288 if variant != "smoke" else 128  # wordpieces per block incl. specials
+    c.data.query_len = 96 if variant != "smoke" else 48  # wordpieces per masked sentence
+    c.data.max_predictions = 10  # masked wordpieces per sentence (longer spans are skipped)
+    c.data.min_sentence_tokens = 5  # shorter sentences are dropped
+    c.data.masking = "salient"  # salient (NER + dates) or random
+    c.data.ner_model = "en_core_web_sm"  # spaCy pipeline for salient spans
+    c.data.random_span_max = 3  # longest random span in words (random masking)
+    c.data.skip_bad_input = False  # skip and count malformed input instead of stopping
+    c.data.worker_count = 0  # grain worker processes (0 = in-process)
+    c.data.seed = 0  # shuffle seed
+
+    # ---------------------------------------------------------------- mesh
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.axes = ("data", "model")  # mesh axis names
+    c.mesh.shape = (-1, 1)  # sizes; -1 = all remaining devices
+
+    # ---------------------------------------------------------------- train
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_size = 512 if variant == "base" else 16  # global batch of masked sentences
+    c.train.num_candidates = 8  # retrieved documents incl. the null document (paper: 8)
+    c.train.steps = 200_000 if variant == "base" else (120 if variant == "smoke" else 2000)
+    c.train.lr = 3e-5 if variant == "base" else 1e-4  # peak learning rate (BERT AdamW)
+    c.train.warmup_steps = -1  # -1 = min(10000, max(100, steps / 10))
+    c.train.weight_decay = 0.01  # AdamW decay, not on LayerNorm or biases
+    c.train.grad_clip = 1.0  # global norm clipping
+    c.train.adam_b1 = 0.9  # Adam beta1
+    c.train.adam_b2 = 0.999  # Adam beta2
+    c.train.adam_eps = 1e-6  # Adam epsilon (BERT)
+    c.train.seed = 0  # parameter init seed
+    c.train.log_every = 10 if variant != "base" else 100  # steps between console/TensorBoard logs
+    c.train.checkpoint_every = 40 if variant == "smoke" else 1000  # steps between orbax saves
+    c.train.keep_checkpoints = 3  # checkpoints kept
+    c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
+
+    # ---------------------------------------------------------------- index refresh
+    c.refresh = ml_collections.ConfigDict()
+    c.refresh.mode = "external"  # external (refresh job) or inprocess (trainer re-embeds)
+    c.refresh.every = 40 if variant == "smoke" else 500  # steps between index swaps (paper ~500)
+    c.refresh.keep = 3  # index versions kept by the refresher
+    c.refresh.max_staleness = 4 * (40 if variant == "smoke" else 500)  # warn above this many steps
+    c.refresh.embed_batch_size = 64 if variant == "smoke" else 512  # blocks per embedding call
+    c.refresh.poll_seconds = 2.0  # how often the refresher looks for a new checkpoint
+    c.refresh.wait_seconds = 600.0  # trainer wait for the first index before giving up
+    c.refresh.build_scann = True  # also serialise a ScaNN searcher with every index
+    c.refresh.scann_num_leaves = -1  # -1 = about sqrt(num_blocks)
+    c.refresh.scann_leaves_to_search = -1  # -1 = about 5% of leaves (at least 10)
+    c.refresh.scann_reorder = 100  # exact re-scoring of this many candidates
+    return c
+
+
+def sweep():
+    """Learning-rate x candidates sweep for the small variant (override dicts)."""
+    return [
+        {"train.lr": lr, "train.num_candidates": k}
+        for lr in (5e-5, 1e-4, 3e-4)
+        for k in (4, 8)
+    ]

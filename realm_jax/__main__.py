@@ -1,0 +1,4 @@
+from realm_jax.cli import main
+
+if __name__ == "__main__":
+    main()
