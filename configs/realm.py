@@ -67,6 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.skip_bad_input = False  # skip and count malformed input instead of stopping
     c.data.worker_count = 0  # grain worker processes (0 = in-process)
     c.data.seed = 0  # shuffle seed
+    c.data.ner_processes = 1  # spaCy NER worker processes at prepare time (nlp.pipe n_process)
 
     # ---------------------------------------------------------------- mesh
     c.mesh = ml_collections.ConfigDict()

@@ -1,0 +1,241 @@
+"""Read raw documents and cut them into retrieval blocks.
+
+Accepted inputs (`read_documents(path)`):
+  *.jsonl / *.json   one JSON object per line: {"title": str, "text": str, "id": str (optional)}
+                     (a missing id becomes "<file stem>:<line>").
+  *.tsv              id<TAB>title<TAB>text, or title<TAB>text (two columns: id = "<stem>:<line>").
+                     A first line "id<TAB>title<TAB>text" (or "title<TAB>text") is a header.
+  a folder           every *.txt file in it (sorted, recursively): title = file stem, text = contents,
+                     id = path relative to the folder.
+
+Bad input (invalid UTF-8, malformed JSON, empty/missing fields, no usable text, duplicate ids,
+unreadable files) raises `CorpusError("<file>:<line>: ...")`; with skip_bad_input=True the
+document is skipped and counted under `stats["skipped_<kind>"]`.
+
+Blocks are `[CLS] title [SEP] body [SEP]` of at most block_len wordpieces; bodies are packed
+greedily sentence by sentence; a sentence longer than a block is split by wordpieces.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Iterator
+
+from realm_jax import tokenization as tk
+
+BAD_KINDS = ("bad_utf8", "bad_json", "missing_field", "empty_text", "duplicate_id", "unreadable")
+
+
+class CorpusError(ValueError):
+    """Malformed corpus input; the message names the file and line."""
+
+
+@dataclasses.dataclass
+class Block:
+    """One retrieval block; token_ids = [CLS] title [SEP] body [SEP] (unpadded)."""
+
+    block_id: int
+    doc_id: str
+    title: str
+    text: str  # the body text covered by the block
+    token_ids: list[int]
+    body_start: int  # index of the first body wordpiece in token_ids
+    sentences: list[tuple[int, int]]  # char spans within `text` of the block's sentences
+
+
+class _Reader:
+    """Shared bad-input handling: raise, or count and skip."""
+
+    def __init__(self, skip_bad_input: bool, stats: collections.Counter):
+        self.skip = skip_bad_input
+        self.stats = stats
+        self.seen: set[str] = set()
+
+    def bad(self, kind: str, where: str, msg: str) -> None:
+        if not self.skip:
+            raise CorpusError(f"{where}: {msg} (pass skip_bad_input=True to skip such input)")
+        self.stats[f"skipped_{kind}"] += 1
+
+    def check(self, where: str, doc_id: str, title, text) -> tuple[str, str, str] | None:
+        """Validate one document; returns (id, title, text) or None when skipped."""
+        if not isinstance(title, str) or not isinstance(text, str):
+            return self.bad("missing_field", where, "missing or non-string 'title'/'text'")
+        if not title.strip():
+            return self.bad("missing_field", where, "empty title")
+        if not text.strip() or not any(c.isalnum() for c in text):
+            return self.bad("empty_text", where, "document has no usable text")
+        if doc_id in self.seen:
+            return self.bad("duplicate_id", where, f"duplicate document id {doc_id!r}")
+        self.seen.add(doc_id)
+        self.stats["documents"] += 1
+        return doc_id, title.strip(), text.strip()
+
+
+def _lines(path: str, r: _Reader) -> Iterator[tuple[int, str]]:
+    """(line number, decoded line) of a file; bad UTF-8 lines are reported per line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        r.bad("unreadable", path, f"cannot read file: {e}")
+        return
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                r.bad("bad_utf8", f"{path}:{n}", f"invalid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if line.strip():
+                yield n, line.rstrip("\r\n")
+
+
+def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for n, line in _lines(path, r):
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            r.bad("bad_json", where, f"malformed JSON ({e.msg})")
+            continue
+        if not isinstance(obj, dict):
+            r.bad("bad_json", where, "a line must be a JSON object")
+            continue
+        doc_id = str(obj["id"]) if obj.get("id") not in (None, "") else f"{stem}:{n}"
+        doc = r.check(where, doc_id, obj.get("title"), obj.get("text"))
+        if doc:
+            yield doc
+
+
+def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for n, line in _lines(path, r):
+        where = f"{path}:{n}"
+        (cols,) = list(csv.reader(io.StringIO(line), delimiter="\t", quoting=csv.QUOTE_NONE))
+        if n == 1 and [c.lower() for c in cols] in (["id", "title", "text"], ["title", "text"]):
+            continue
+        if len(cols) == 3:
+            doc_id, title, text = cols
+        elif len(cols) == 2:
+            (title, text), doc_id = cols, f"{stem}:{n}"
+        else:
+            r.bad("missing_field", where, f"expected 2 or 3 tab-separated columns, got {len(cols)}")
+            continue
+        doc = r.check(where, doc_id or f"{stem}:{n}", title, text)
+        if doc:
+            yield doc
+
+
+def _read_folder(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
+    files = sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt")
+    )
+    for file in files:
+        rel = os.path.relpath(file, path)
+        try:
+            with open(file, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            r.bad("unreadable", file, f"cannot read file: {e}")
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            r.bad("bad_utf8", f"{file}:{line}", f"invalid UTF-8 ({e.reason})")
+            continue
+        doc = r.check(f"{file}:1", rel, os.path.splitext(os.path.basename(file))[0], text)
+        if doc:
+            yield doc
+
+
+def read_documents(
+    path: str, *, skip_bad_input: bool = False, stats: collections.Counter | None = None
+) -> Iterator[tuple[str, str, str]]:
+    """Yield (doc_id, title, text) from a .jsonl/.tsv file or a folder of .txt files."""
+    stats = stats if stats is not None else collections.Counter()
+    r = _Reader(skip_bad_input, stats)
+    if os.path.isdir(path):
+        yield from _read_folder(path, r)
+    elif not os.path.exists(path):
+        raise CorpusError(f"{path}: corpus not found")
+    elif path.endswith((".jsonl", ".json")):
+        yield from _read_jsonl(path, r)
+    elif path.endswith((".tsv", ".txt")):
+        yield from _read_tsv(path, r)
+    else:
+        raise CorpusError(f"{path}: unknown corpus format (use .jsonl, .tsv or a folder of .txt)")
+
+
+def input_files(path: str) -> list[str]:
+    """The files whose contents define the corpus (for fingerprints)."""
+    if os.path.isdir(path):
+        return sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt")
+        )
+    return [path]
+
+
+# ------------------------------------------------------------------------------------- blocking
+def _pieces(sent_tok: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
+    """Greedy packing of sentence wordpiece ranges [a, b) into pieces of <= budget wordpieces."""
+    out: list[tuple[int, int]] = []
+    cur: tuple[int, int] | None = None
+    for a, b in sent_tok:
+        if b - a > budget:  # an over-long sentence: flush, then split by wordpieces
+            if cur:
+                out.append(cur)
+                cur = None
+            out.extend((s, min(s + budget, b)) for s in range(a, b, budget))
+        elif cur and b - cur[0] <= budget:
+            cur = (cur[0], b)
+        else:
+            if cur:
+                out.append(cur)
+            cur = (a, b)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def sentence_token_ranges(offsets, sent_chars: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Wordpiece index ranges [a, b) of each sentence (by the wordpiece's start offset)."""
+    ranges, i, n = [], 0, len(offsets)
+    for k, (_, ce) in enumerate(sent_chars):
+        a = i
+        last = k == len(sent_chars) - 1
+        while i < n and (last or offsets[i][0] < ce):
+            i += 1
+        if i > a:
+            ranges.append((a, i))
+    return ranges
+
+
+def split_blocks(
+    doc_id: str, title: str, body: str, title_ids, body_enc, sent_chars, block_len: int,
+    first_id: int,
+) -> list[Block]:
+    """Cut one document into blocks; sent_chars are the body's sentence char spans."""
+    title_ids = list(title_ids[: block_len // 2])  # a long title keeps half the block for body
+    head = [tk.CLS_ID, *title_ids, tk.SEP_ID]
+    budget = block_len - len(head) - 1
+    ids, offs = body_enc.ids, body_enc.offsets
+    ranges = sentence_token_ranges(offs, sent_chars)
+    blocks = []
+    for a, b in _pieces(ranges, budget):
+        c0, c1 = offs[a][0], offs[b - 1][1]
+        spans = [
+            (max(offs[s][0], c0) - c0, min(offs[e - 1][1], c1) - c0)
+            for s, e in ranges
+            if s < b and e > a
+        ]
+        blocks.append(
+            Block(first_id + len(blocks), doc_id, title, body[c0:c1],
+                  head + list(ids[a:b]) + [tk.SEP_ID], len(head), spans)
+        )
+    return blocks

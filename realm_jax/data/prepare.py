@@ -1,0 +1,322 @@
+"""`realm-jax prepare`: raw corpus -> TFDS array_record datasets (no TensorFlow needed).
+
+Layout of a prepared data_dir:
+  <data_dir>/blocks/realm_blocks/1.0.0/      block_id, doc_id, title, text, token_ids
+                                             (record i has block_id i; token_ids unpadded
+                                             [CLS] title [SEP] body [SEP], int32)
+  <data_dir>/examples/realm_examples/1.0.0/  example_id, block_id (-1: separate text), text,
+                                             token_ids ([CLS] x [SEP], <= query_len), span_start,
+                                             span_end (inclusive positions in token_ids),
+                                             span_label ("DATE", "PERSON", ..., "RANDOM")
+  <data_dir>/summary.json                    counts, fingerprint, config; written LAST: a folder
+                                             without it is incomplete and loaders refuse it.
+Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import tensorflow_datasets as tfds
+from tqdm import tqdm
+
+from realm_jax import tokenization as tk
+from realm_jax.data import corpus as corpus_lib
+from realm_jax.data import masking
+
+FORMAT_VERSION = 1
+SUMMARY = "summary.json"
+FP_FIELDS = ("block_len", "query_len", "max_predictions", "min_sentence_tokens", "masking",
+             "ner_model", "random_span_max", "skip_bad_input", "seed")
+CHUNK = 512  # documents tokenised per batch
+
+
+class PrepareError(RuntimeError):
+    """A data_dir that cannot be (re)used as asked."""
+
+
+class _Builder(tfds.core.GeneratorBasedBuilder):
+    """Writes the records passed at construction, in order (no TFDS shuffling)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    FEATURES: dict = {}
+
+    def __init__(self, *, records=(), **kwargs):
+        self._records = records
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        feats = tfds.features.FeaturesDict(self.FEATURES)
+        return tfds.core.DatasetInfo(builder=self, features=feats, disable_shuffling=True)
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+        for i, rec in enumerate(self._records):
+            yield i, rec
+
+
+_INT_SEQ = tfds.features.Tensor(shape=(None,), dtype=np.int32)
+
+
+class RealmBlocks(_Builder):
+    FEATURES = {"block_id": np.int64, "doc_id": tfds.features.Text(), "title": tfds.features.Text(),
+                "text": tfds.features.Text(), "token_ids": _INT_SEQ}
+
+
+class RealmExamples(_Builder):
+    FEATURES = {"example_id": np.int64, "block_id": np.int64, "text": tfds.features.Text(),
+                "token_ids": _INT_SEQ, "span_start": np.int64, "span_end": np.int64,
+                "span_label": tfds.features.Text()}
+
+
+# ------------------------------------------------------------------------------------ building
+def _count_lines(path: str) -> int | None:
+    if os.path.isdir(path):
+        return len(corpus_lib.input_files(path))
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def _chunks(it, n: int):
+    buf = []
+    for x in it:
+        buf.append(x)
+        if len(buf) == n:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
+    """Read data.corpus and cut every document into blocks (ids 0..N-1 in corpus order)."""
+    docs = corpus_lib.read_documents(data.corpus, skip_bad_input=data.skip_bad_input, stats=stats)
+    blocks: list[corpus_lib.Block] = []
+    bar = tqdm(total=_count_lines(data.corpus), desc="blocks: tokenise", unit="doc")
+    for chunk in _chunks(docs, CHUNK):
+        titles = tk.wordpieces([t for _, t, _ in chunk])
+        bodies = tk.wordpieces([b for _, _, b in chunk])
+        sents = masking.split_sentences(b for _, _, b in chunk)
+        for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
+            new = corpus_lib.split_blocks(doc_id, title, body, t.ids, b, s, data.block_len,
+                                          len(blocks))
+            if not new:
+                stats["skipped_empty_text"] += 1
+            blocks.extend(new)
+        bar.update(len(chunk))
+    bar.close()
+    stats["blocks"] = len(blocks)
+    return blocks
+
+
+def _sentences(data, blocks, stats) -> tuple[list[str], list[int]]:
+    """Pre-training sentences and their source block ids (-1 for separate text)."""
+    if not data.sentences:
+        pairs = [(b.text[cs:ce], b.block_id) for b in blocks for cs, ce in b.sentences]
+    else:
+        sub = collections.Counter()
+        docs = list(corpus_lib.read_documents(data.sentences, skip_bad_input=data.skip_bad_input,
+                                              stats=sub))
+        stats.update({f"sentences_{k}": v for k, v in sub.items()})
+        spans = masking.split_sentences(text for _, _, text in docs)
+        pairs = [(text[a:b], -1) for (_, _, text), sp in zip(docs, spans) for a, b in sp]
+    stats["sentences"] = len(pairs)
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict], str]:
+    """Masked pre-training examples; returns (records, effective masking mode)."""
+    texts, block_ids = _sentences(data, blocks, stats)
+    encs = tk.wordpieces(texts)
+    keep = [i for i, e in enumerate(encs) if len(e.ids) >= data.min_sentence_tokens]
+    stats["skipped_short_sentence"] += len(texts) - len(keep)
+    masker = masking.Masker(
+        data.masking, ner_model=data.ner_model, max_predictions=data.max_predictions,
+        max_tokens=data.query_len - 2, random_span_max=data.random_span_max, seed=data.seed,
+        stats=stats, ner_processes=data.ner_processes)
+    cands = masker.candidates([texts[i] for i in keep])
+    records = []
+    desc = f"examples: {'NER' if masker.mode == 'salient' else 'random'} masking"
+    for i, cand in tqdm(zip(keep, cands), total=len(keep), desc=desc, unit="sent"):
+        span = masker.choose(i, texts[i], encs[i].offsets, cand)
+        if span is None:
+            continue
+        a, b, label = span
+        records.append({
+            "example_id": len(records), "block_id": block_ids[i], "text": texts[i],
+            "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
+            "span_start": a + 1, "span_end": b + 1, "span_label": label,  # +1: the [CLS]
+        })
+    stats["examples"] = len(records)
+    return records, masker.mode
+
+
+def _block_records(blocks):
+    for b in blocks:
+        yield {"block_id": b.block_id, "doc_id": b.doc_id, "title": b.title, "text": b.text,
+               "token_ids": np.asarray(b.token_ids, np.int32)}
+
+
+def _write(cls, records, folder: str) -> None:
+    builder = cls(records=records, data_dir=folder)
+    builder.download_and_prepare(
+        file_format="array_record", download_dir=os.path.join(folder, "downloads"))
+    shutil.rmtree(os.path.join(folder, "downloads"), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------- fingerprint
+def _hash_file(h, path: str) -> None:
+    h.update(path.encode() + b"\0")
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(functools.partial(f.read, 1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise corpus_lib.CorpusError(f"{path}: cannot read file: {e}") from e
+
+
+def fingerprint(data) -> str:
+    """sha256 of the input files' contents, the vocab and the fields that shape the output."""
+    h = hashlib.sha256(f"realm-jax-prepare-v{FORMAT_VERSION}".encode())
+    for src in (data.corpus, data.sentences):
+        for path in corpus_lib.input_files(src) if src else []:
+            _hash_file(h, path)
+    _hash_file(h, tk.VOCAB_PATH)
+    h.update(json.dumps({k: data[k] for k in FP_FIELDS}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------ prepare
+def _read_summary(data_dir: str) -> dict | None:
+    path = os.path.join(data_dir, SUMMARY)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _publish(tmp: str, data_dir: str, summary: dict) -> None:
+    """Swap the finished datasets into place; summary.json (the completion marker) goes last."""
+    final = os.path.join(data_dir, SUMMARY)
+    if os.path.exists(final):
+        os.remove(final)  # from here on the old datasets are no longer loadable
+    for name in ("blocks", "examples"):
+        shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
+        os.rename(os.path.join(tmp, name), os.path.join(data_dir, name))
+    with open(os.path.join(tmp, SUMMARY), "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(tmp, SUMMARY), final)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _print_summary(s: dict) -> None:
+    print(f"prepared {s['data_dir']} in {s['elapsed_s']:.1f}s (masking: {s['masking']})")
+    for key in ("documents", "blocks", "sentences", "examples"):
+        print(f"  {key:<28}{s['counts'].get(key, 0):>10}")
+    for key, v in sorted(s["counts"].items()):
+        if "skipped" in key:
+            print(f"  {key:<28}{v:>10}")
+
+
+def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
+    """Build (or reuse) the blocks and examples datasets under data_dir; returns the summary."""
+    data, fp = config.data, fingerprint(config.data)
+    old = _read_summary(data_dir)
+    if old is not None and not overwrite:
+        if old.get("fingerprint") == fp:
+            print(f"{data_dir} is already prepared from the same input and config: reusing it")
+            _print_summary(old)
+            return old
+        raise PrepareError(
+            f"{data_dir} holds data prepared from a different corpus or config "
+            f"(fingerprint {old.get('fingerprint', '?')[:12]} != {fp[:12]}); pass --overwrite "
+            "(overwrite=True) to rebuild it, or choose another --config.data.data_dir")
+    start, stats = time.time(), collections.Counter()
+    tmp = os.path.join(data_dir, f".prepare-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    blocks = build_blocks(data, stats)
+    if not blocks:
+        raise PrepareError(f"{data.corpus}: no usable documents")
+    records, mode = build_examples(data, blocks, stats)
+    _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
+    _write(RealmExamples, records, os.path.join(tmp, "examples"))
+    summary = {
+        "complete": True, "fingerprint": fp, "format_version": FORMAT_VERSION,
+        "data_dir": data_dir, "corpus": data.corpus, "sentences_source": data.sentences,
+        "masking": mode, "block_len": data.block_len, "query_len": data.query_len,
+        "config": {k: data[k] for k in FP_FIELDS}, "counts": dict(stats),
+        "elapsed_s": round(time.time() - start, 2),
+    }
+    _publish(tmp, data_dir, summary)
+    _print_summary(summary)
+    return summary
+
+
+def run(config, workdir: str, args) -> dict:
+    """CLI entry: prepare into config.data.data_dir or <workdir>/data."""
+    data_dir = config.data.data_dir or os.path.join(workdir, "data")
+    return prepare(config, data_dir, overwrite=bool(getattr(args, "overwrite", False)))
+
+
+# ------------------------------------------------------------------------------------ loaders
+def load_summary(data_dir: str) -> dict:
+    """The summary of a complete prepare; a clear error for a missing or partial one."""
+    s = _read_summary(data_dir)
+    if s is None or not s.get("complete"):
+        partial = os.path.isdir(data_dir) and any(
+            n.startswith(".prepare-tmp-") or n in ("blocks", "examples") for n in os.listdir(data_dir))
+        what = "an incomplete (interrupted?) prepare" if partial else "no prepared data"
+        raise PrepareError(f"{data_dir} holds {what}: no {SUMMARY}. Run `realm-jax prepare` "
+                           "(with --overwrite if needed) first.")
+    return s
+
+
+def _source(data_dir: str, name: str, builder: str):
+    load_summary(data_dir)
+    path = os.path.join(data_dir, name, builder, "1.0.0")
+    return tfds.builder_from_directory(path).as_data_source(split="train")
+
+
+def blocks_source(data_dir: str):
+    """Random-access TFDS data source of the blocks (record i = block i)."""
+    return _source(data_dir, "blocks", "realm_blocks")
+
+
+def examples_source(data_dir: str):
+    """Random-access TFDS data source of the masked pre-training examples."""
+    return _source(data_dir, "examples", "realm_examples")
+
+
+def load_blocks(data_dir: str, chunk: int = 4096) -> tuple[np.ndarray, list[str], list[str]]:
+    """All blocks: (token_ids int32 [N, block_len] zero-padded, doc_ids, titles)."""
+    src, block_len = blocks_source(data_dir), load_summary(data_dir)["block_len"]
+    ids = np.zeros((len(src), block_len), np.int32)  # [N, block_len]
+    doc_ids, titles = [], []
+    for start in range(0, len(src), chunk):
+        for i, rec in enumerate(src.__getitems__(range(start, min(start + chunk, len(src))))):
+            t = rec["token_ids"][:block_len]
+            ids[start + i, : len(t)] = t
+            doc_ids.append(rec["doc_id"].decode())
+            titles.append(rec["title"].decode())
+    return ids, doc_ids, titles
+
+
+def block_text(data_dir: str, block_id: int) -> tuple[str, str]:
+    """(title, body text) of one block."""
+    rec = blocks_source(data_dir)[int(block_id)]
+    return rec["title"].decode(), rec["text"].decode()

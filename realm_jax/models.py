@@ -1,0 +1,318 @@
+"""Flax linen models: BERT encoder, REALM embedder, knowledge-augmented reader, ORQA span head.
+
+Every parameter carries logical axis names (see `sharding.py` for the rules that map them to
+the mesh): 'vocab', 'embed', 'mlp', 'heads', 'kv', 'proj', 'pos', 'type'.
+Parameter names follow HuggingFace's BERT/REALM layout so weight import is a readable table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture; built from `config.model` by `ModelConfig.from_config`."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu_new"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    proj_size: int = 128
+    span_hidden_size: int = 256
+    max_span_width: int = 10
+    reader_layer_norm_eps: float = 1e-3
+    share_embedders: bool = False
+    dtype: str = "float32"
+    remat: bool = False
+
+    @classmethod
+    def from_config(cls, model_config) -> ModelConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(model_config).items() if k in fields})
+
+    @property
+    def compute_dtype(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        return jnp.dtype(self.dtype)
+
+
+def activation(name: str):
+    """BERT activations: 'gelu' is the exact erf form, 'gelu_new' the tanh approximation."""
+    table = {
+        "gelu": functools.partial(jax.nn.gelu, approximate=False),
+        "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+        "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+        "relu": jax.nn.relu,
+    }
+    if name not in table:
+        raise ValueError(f"unknown hidden_act {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+def _init(axes, std=0.02):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def _zeros(axes):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def _ones(axes):
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+def layer_norm(cfg: ModelConfig, name: str, eps: float | None = None, axis_name="embed"):
+    return nn.LayerNorm(
+        epsilon=cfg.layer_norm_eps if eps is None else eps,
+        dtype=jnp.float32,
+        scale_init=_ones((axis_name,)),
+        bias_init=_zeros((axis_name,)),
+        name=name,
+    )
+
+
+def dense(features, axes, cfg: ModelConfig, name: str):
+    return nn.Dense(
+        features,
+        dtype=cfg.compute_dtype,
+        kernel_init=_init(axes),
+        bias_init=_zeros(axes[-1:]),
+        name=name,
+    )
+
+
+class Embeddings(nn.Module):
+    """Word + position + segment embeddings, then LayerNorm."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.word_embeddings = nn.Embed(
+            c.vocab_size, c.hidden_size, embedding_init=_init(("vocab", "embed")),
+            name="word_embeddings")
+        self.position_embeddings = self.param(
+            "position_embeddings", _init(("pos", "embed")), (c.max_position_embeddings, c.hidden_size))
+        self.token_type_embeddings = self.param(
+            "token_type_embeddings", _init(("type", "embed")), (c.type_vocab_size, c.hidden_size))
+        self.LayerNorm = layer_norm(c, "LayerNorm")
+
+    def __call__(self, ids: Array, segment_ids: Array) -> Array:
+        length = ids.shape[-1]
+        if length > self.cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {length} > max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        x = self.word_embeddings(ids)
+        x = x + jnp.asarray(self.position_embeddings)[:length] + jnp.asarray(
+            self.token_type_embeddings)[segment_ids]
+        return self.LayerNorm(x).astype(self.cfg.compute_dtype)
+
+    def attend(self, h: Array) -> Array:
+        """Logits against the word embeddings (the tied MLM decoder)."""
+        table = jnp.asarray(self.word_embeddings.embedding, self.cfg.compute_dtype)
+        return jnp.einsum("...h,vh->...v", h.astype(self.cfg.compute_dtype), table)
+
+
+class SelfAttention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, bias: Array) -> Array:
+        c = self.cfg
+        head_dim = c.hidden_size // c.num_heads
+
+        def proj(name):
+            return nn.DenseGeneral(
+                (c.num_heads, head_dim), dtype=c.compute_dtype, name=name,
+                kernel_init=_init(("embed", "heads", "kv")), bias_init=_zeros(("heads", "kv")))(x)
+
+        q, k, v = proj("query"), proj("key"), proj("value")  # [B, L, heads, head_dim]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
+        probs = jax.nn.softmax(scores + bias, axis=-1).astype(c.compute_dtype)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        return nn.DenseGeneral(
+            c.hidden_size, axis=(-2, -1), dtype=c.compute_dtype, name="output_dense",
+            kernel_init=_init(("heads", "kv", "embed")), bias_init=_zeros(("embed",)))(ctx)
+
+
+class TransformerLayer(nn.Module):
+    """Post-LayerNorm BERT layer."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, bias: Array) -> Array:
+        c = self.cfg
+        a = SelfAttention(c, name="attention")(x, bias)
+        x = layer_norm(c, "attention_LayerNorm")(x + a).astype(c.compute_dtype)
+        h = dense(c.intermediate_size, ("embed", "mlp"), c, "intermediate")(x)
+        h = activation(c.hidden_act)(h)
+        h = dense(c.hidden_size, ("mlp", "embed"), c, "output")(h)
+        return layer_norm(c, "output_LayerNorm")(x + h).astype(c.compute_dtype)
+
+
+class BertEncoder(nn.Module):
+    """BERT: embeddings + post-LN layers (+ optional tanh pooler over [CLS])."""
+
+    cfg: ModelConfig
+    add_pooler: bool = False
+
+    def setup(self):
+        c = self.cfg
+        self.embeddings = Embeddings(c)
+        layer_cls = nn.remat(TransformerLayer) if c.remat else TransformerLayer
+        self.layers = [layer_cls(c, name=f"layer_{i}") for i in range(c.num_layers)]
+        if self.add_pooler:
+            self.pooler = dense(c.hidden_size, ("embed", "embed_out"), c, "pooler")
+
+    def __call__(self, ids: Array, segment_ids: Array, mask: Array):
+        """ids, segment_ids, mask: [B, L] -> (hidden [B, L, H], pooled [B, H] or None)."""
+        x = self.embeddings(ids, segment_ids)
+        bias = jnp.where(mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+        for layer in self.layers:
+            x = layer(x, bias)
+        pooled = jnp.tanh(self.pooler(x[:, 0])) if self.add_pooler else None
+        return x, pooled
+
+
+class Embedder(nn.Module):
+    """REALM embedder: pooled [CLS] -> dense(proj_size) -> LayerNorm. Returns [B, proj]."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.bert = BertEncoder(c, add_pooler=True)
+        self.projection = dense(c.proj_size, ("embed", "proj"), c, "projection")
+        self.projection_LayerNorm = layer_norm(c, "projection_LayerNorm", axis_name="proj")
+
+    def __call__(self, ids: Array, segment_ids: Array, mask: Array) -> Array:
+        _, pooled = self.bert(ids, segment_ids, mask)
+        return self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
+
+
+class MLMHead(nn.Module):
+    """BERT MLM head: dense + act + LayerNorm, decoder tied to the word embeddings, + bias."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: Array, embeddings: Embeddings) -> Array:
+        c = self.cfg
+        h = dense(c.hidden_size, ("embed", "embed_out"), c, "transform")(h)
+        h = layer_norm(c, "transform_LayerNorm")(activation(c.hidden_act)(h))
+        bias = self.param("bias", _zeros(("vocab",)), (c.vocab_size,))
+        return embeddings.attend(h).astype(jnp.float32) + bias
+
+
+def span_candidates(length: int, max_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """All spans of width 1..max_width in a length-L sequence, ordered by width then start."""
+    starts = np.concatenate([np.arange(0, length - w + 1) for w in range(1, max_width + 1)])
+    ends = np.concatenate([np.arange(w - 1, length) for w in range(1, max_width + 1)])
+    return starts.astype(np.int32), ends.astype(np.int32)
+
+
+class SpanHead(nn.Module):
+    """ORQA span scorer: start/end projections summed per span, ReLU, LayerNorm, scalar."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: Array, block_mask: Array) -> tuple[Array, np.ndarray, np.ndarray]:
+        """h [N, L, H], block_mask [N, L] -> (logits [N, S], starts [S], ends [S])."""
+        c = self.cfg
+        proj = dense(2 * c.span_hidden_size, ("embed", "mlp"), c, "dense_intermediate")(h)
+        start_p, end_p = jnp.split(proj, 2, axis=-1)
+        starts, ends = span_candidates(h.shape[1], c.max_span_width)
+        x = jax.nn.relu(start_p[:, starts] + end_p[:, ends])
+        x = layer_norm(c, "layer_normalization", eps=c.reader_layer_norm_eps, axis_name="mlp")(x)
+        logits = dense(1, ("mlp", "unit"), c, "dense_output")(x)[..., 0].astype(jnp.float32)
+        span_ok = (block_mask[:, starts] > 0) & (block_mask[:, ends] > 0)
+        logits = logits + jnp.where(span_ok, 0.0, jnp.finfo(jnp.float32).min)
+        return logits, starts, ends
+
+
+class Reader(nn.Module):
+    """Knowledge-augmented encoder: BERT over [CLS] x [SEP] z [SEP] with MLM and span heads.
+
+    MLM logits are computed only at the given positions, never over the whole sequence.
+    """
+
+    cfg: ModelConfig
+
+    def setup(self):
+        self.bert = BertEncoder(self.cfg, add_pooler=False)
+        self.mlm = MLMHead(self.cfg)
+        self.span = SpanHead(self.cfg)
+
+    def mlm_logits(self, ids, segment_ids, mask, positions):
+        """[N, L] inputs, positions [N, P] -> logits [N, P, vocab] (float32)."""
+        h, _ = self.bert(ids, segment_ids, mask)
+        h = jnp.take_along_axis(h, positions[..., None].astype(jnp.int32), axis=1)
+        return self.mlm(h, self.bert.embeddings)
+
+    def span_logits(self, ids, segment_ids, mask, block_mask):
+        """[N, L] inputs -> (span logits [N, S], starts [S], ends [S])."""
+        h, _ = self.bert(ids, segment_ids, mask)
+        return self.span(h, block_mask)
+
+    def __call__(self, ids, segment_ids, mask, positions, block_mask):
+        """Both heads (used to initialise every reader parameter)."""
+        return (self.mlm_logits(ids, segment_ids, mask, positions),
+                self.span_logits(ids, segment_ids, mask, block_mask)[0])
+
+
+class RealmModel(nn.Module):
+    """The three REALM networks: query embedder, document embedder and reader.
+
+    With `share_embedders` the query and document embedders are one network.
+    """
+
+    cfg: ModelConfig
+
+    def setup(self):
+        self.query_embedder = Embedder(self.cfg)
+        if not self.cfg.share_embedders:
+            self.doc_embedder = Embedder(self.cfg)
+        self.reader = Reader(self.cfg)
+
+    def _doc(self):
+        return self.query_embedder if self.cfg.share_embedders else self.doc_embedder
+
+    def embed_query(self, ids, segment_ids, mask):
+        return self.query_embedder(ids, segment_ids, mask)
+
+    def embed_doc(self, ids, segment_ids, mask):
+        return self._doc()(ids, segment_ids, mask)
+
+    def mlm_logits(self, ids, segment_ids, mask, positions):
+        return self.reader.mlm_logits(ids, segment_ids, mask, positions)
+
+    def span_logits(self, ids, segment_ids, mask, block_mask):
+        return self.reader.span_logits(ids, segment_ids, mask, block_mask)
+
+    def __call__(self, query, block, joint, positions, block_mask):
+        """Touch every network once (for init). Each arg is an (ids, segs, mask) tuple."""
+        q = self.embed_query(*query)
+        d = self.embed_doc(*block)
+        return q, d, self.reader(*joint, positions, block_mask)
+
+
+def doc_embedder_name(cfg: ModelConfig) -> str:
+    """The params subtree that embeds documents (what the refresh job restores)."""
+    return "query_embedder" if cfg.share_embedders else "doc_embedder"
