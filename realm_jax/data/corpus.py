@@ -5,8 +5,8 @@ Accepted inputs (`read_documents(path)`):
                      (a missing id becomes "<file stem>:<line>").
   *.tsv              id<TAB>title<TAB>text, or title<TAB>text (two columns: id = "<stem>:<line>").
                      A first line "id<TAB>title<TAB>text" (or "title<TAB>text") is a header.
-  a folder           every *.txt file in it (sorted, recursively): title = file stem, text = contents,
-                     id = path relative to the folder.
+  a folder           every *.txt file in it (sorted, recursively): title = file stem,
+                     text = contents, id = path relative to the folder.
 
 Bad input (invalid UTF-8, malformed JSON, empty/missing fields, no usable text, duplicate ids,
 unreadable files) raises `CorpusError("<file>:<line>: ...")`; with skip_bad_input=True the
@@ -217,7 +217,13 @@ def sentence_token_ranges(offsets, sent_chars: list[tuple[int, int]]) -> list[tu
 
 
 def split_blocks(
-    doc_id: str, title: str, body: str, title_ids, body_enc, sent_chars, block_len: int,
+    doc_id: str,
+    title: str,
+    body: str,
+    title_ids,
+    body_enc,
+    sent_chars,
+    block_len: int,
     first_id: int,
 ) -> list[Block]:
     """Cut one document into blocks; sent_chars are the body's sentence char spans."""
@@ -235,7 +241,14 @@ def split_blocks(
             if s < b and e > a
         ]
         blocks.append(
-            Block(first_id + len(blocks), doc_id, title, body[c0:c1],
-                  head + list(ids[a:b]) + [tk.SEP_ID], len(head), spans)
+            Block(
+                first_id + len(blocks),
+                doc_id,
+                title,
+                body[c0:c1],
+                head + list(ids[a:b]) + [tk.SEP_ID],
+                len(head),
+                spans,
+            )
         )
     return blocks

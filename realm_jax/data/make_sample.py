@@ -42,8 +42,9 @@ def make_sample(src_dir: str, out_dir: str, articles: int = 7, max_passages: int
     titles = set(choose_articles(passages, articles, max_passages))
     keep = [p for p in passages if p["title"] in titles]
     ids = {p["id"] for p in keep}
-    qa = [q for q in _read_jsonl(os.path.join(src_dir, "qa_train.jsonl"))
-          if q["gold_passage"] in ids]
+    qa = [
+        q for q in _read_jsonl(os.path.join(src_dir, "qa_train.jsonl")) if q["gold_passage"] in ids
+    ]
     os.makedirs(out_dir, exist_ok=True)
     for name, rows in (("corpus.jsonl", keep), ("qa.jsonl", qa)):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:

@@ -95,8 +95,18 @@ def to_wordpieces(offsets: Sequence[tuple[int, int]], cs: int, ce: int) -> tuple
 class Masker:
     """Chooses one span per sentence; counts skips in `stats` (a Counter)."""
 
-    def __init__(self, mode: str, *, ner_model: str, max_predictions: int, max_tokens: int,
-                 random_span_max: int, seed: int, stats, ner_processes: int = 1):
+    def __init__(
+        self,
+        mode: str,
+        *,
+        ner_model: str,
+        max_predictions: int,
+        max_tokens: int,
+        random_span_max: int,
+        seed: int,
+        stats,
+        ner_processes: int = 1,
+    ):
         if mode not in ("salient", "random"):
             raise ValueError(f"data.masking must be 'salient' or 'random', got {mode!r}")
         self.nlp = load_ner(ner_model) if mode == "salient" else None
@@ -113,7 +123,9 @@ class Masker:
         if self.mode == "random":
             return ([] for _ in texts)
         docs = self.nlp.pipe(texts, batch_size=256, n_process=self.ner_processes)
-        return (sorted(set(entity_spans(d) + date_spans(t))) for d, t in zip(docs, texts))
+        return (
+            sorted(set(entity_spans(d) + date_spans(t))) for d, t in zip(docs, texts, strict=False)
+        )
 
     def choose(self, sentence_id: int, text: str, offsets, cands) -> Span | None:
         """The masked span for one sentence (wordpiece positions without [CLS]) or None."""

@@ -39,21 +39,28 @@ class MaskSpan(grain.transforms.Map):
         targets[:n] = q[a : b + 1]
         weights[:n] = 1.0
         q[a : b + 1] = tk.MASK_ID
-        return {"query_ids": q, "mlm_positions": positions, "mlm_targets": targets,
-                "mlm_weights": weights, "block_id": np.int32(rec["block_id"])}
+        return {
+            "query_ids": q,
+            "mlm_positions": positions,
+            "mlm_targets": targets,
+            "mlm_weights": weights,
+            "block_id": np.int32(rec["block_id"]),
+        }
 
 
 def local_batch_size(global_batch_size: int) -> int:
     """Per-process batch size; the global batch must split evenly over processes."""
     n = jax.process_count()
     if global_batch_size % n:
-        raise ValueError(f"global batch size {global_batch_size} is not divisible by the "
-                         f"{n} JAX processes")
+        raise ValueError(
+            f"global batch size {global_batch_size} is not divisible by the {n} JAX processes"
+        )
     return global_batch_size // n
 
 
-def train_loader(config, data_dir: str, *, global_batch_size: int, seed: int,
-                 num_epochs: int | None = None) -> grain.DataLoader:
+def train_loader(
+    config, data_dir: str, *, global_batch_size: int, seed: int, num_epochs: int | None = None
+) -> grain.DataLoader:
     """A grain DataLoader of this process's share of batches (drop_remainder).
 
     Batch: query_ids [b, query_len] int32, mlm_positions / mlm_targets [b, max_predictions]
@@ -64,16 +71,23 @@ def train_loader(config, data_dir: str, *, global_batch_size: int, seed: int,
     source = prepare_lib.examples_source(data_dir)
     b = local_batch_size(global_batch_size)
     if len(source) // jax.process_count() < b:
-        raise ValueError(f"{data_dir}: {len(source)} examples cannot fill one batch of {b} "
-                         f"per process")
+        raise ValueError(
+            f"{data_dir}: {len(source)} examples cannot fill one batch of {b} per process"
+        )
     sampler = grain.samplers.IndexSampler(
         num_records=len(source),
         shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
-        shuffle=True, num_epochs=num_epochs, seed=seed)
-    ops = [MaskSpan(data.query_len, data.max_predictions),
-           grain.transforms.Batch(batch_size=b, drop_remainder=True)]
-    return grain.DataLoader(data_source=source, sampler=sampler, operations=ops,
-                            worker_count=data.worker_count)
+        shuffle=True,
+        num_epochs=num_epochs,
+        seed=seed,
+    )
+    ops = [
+        MaskSpan(data.query_len, data.max_predictions),
+        grain.transforms.Batch(batch_size=b, drop_remainder=True),
+    ]
+    return grain.DataLoader(
+        data_source=source, sampler=sampler, operations=ops, worker_count=data.worker_count
+    )
 
 
 def iterator_save_args(it) -> grain.checkpoint.CheckpointSave:

@@ -11,6 +11,8 @@ Layout of a prepared data_dir:
   <data_dir>/summary.json                    counts, fingerprint, config; written LAST: a folder
                                              without it is incomplete and loaders refuse it.
 Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end.
+Readers open a dataset folder directly (`tfds.builder_from_directory(...).as_data_source()`,
+the same ArrayRecord data source `tfds.data_source` returns, without a registered name).
 """
 
 from __future__ import annotations
@@ -33,8 +35,17 @@ from realm_jax.data import masking
 
 FORMAT_VERSION = 1
 SUMMARY = "summary.json"
-FP_FIELDS = ("block_len", "query_len", "max_predictions", "min_sentence_tokens", "masking",
-             "ner_model", "random_span_max", "skip_bad_input", "seed")
+FP_FIELDS = (
+    "block_len",
+    "query_len",
+    "max_predictions",
+    "min_sentence_tokens",
+    "masking",
+    "ner_model",
+    "random_span_max",
+    "skip_bad_input",
+    "seed",
+)
 CHUNK = 512  # documents tokenised per batch
 
 
@@ -60,22 +71,32 @@ class _Builder(tfds.core.GeneratorBasedBuilder):
         return {"train": self._generate_examples()}
 
     def _generate_examples(self):
-        for i, rec in enumerate(self._records):
-            yield i, rec
+        yield from enumerate(self._records)
 
 
 _INT_SEQ = tfds.features.Tensor(shape=(None,), dtype=np.int32)
 
 
 class RealmBlocks(_Builder):
-    FEATURES = {"block_id": np.int64, "doc_id": tfds.features.Text(), "title": tfds.features.Text(),
-                "text": tfds.features.Text(), "token_ids": _INT_SEQ}
+    FEATURES = {
+        "block_id": np.int64,
+        "doc_id": tfds.features.Text(),
+        "title": tfds.features.Text(),
+        "text": tfds.features.Text(),
+        "token_ids": _INT_SEQ,
+    }
 
 
 class RealmExamples(_Builder):
-    FEATURES = {"example_id": np.int64, "block_id": np.int64, "text": tfds.features.Text(),
-                "token_ids": _INT_SEQ, "span_start": np.int64, "span_end": np.int64,
-                "span_label": tfds.features.Text()}
+    FEATURES = {
+        "example_id": np.int64,
+        "block_id": np.int64,
+        "text": tfds.features.Text(),
+        "token_ids": _INT_SEQ,
+        "span_start": np.int64,
+        "span_end": np.int64,
+        "span_label": tfds.features.Text(),
+    }
 
 
 # ------------------------------------------------------------------------------------ building
@@ -110,8 +131,9 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
         bodies = tk.wordpieces([b for _, _, b in chunk])
         sents = masking.split_sentences(b for _, _, b in chunk)
         for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
-            new = corpus_lib.split_blocks(doc_id, title, body, t.ids, b, s, data.block_len,
-                                          len(blocks))
+            new = corpus_lib.split_blocks(
+                doc_id, title, body, t.ids, b, s, data.block_len, len(blocks)
+            )
             if not new:
                 stats["skipped_empty_text"] += 1
             blocks.extend(new)
@@ -127,11 +149,12 @@ def _sentences(data, blocks, stats) -> tuple[list[str], list[int]]:
         pairs = [(b.text[cs:ce], b.block_id) for b in blocks for cs, ce in b.sentences]
     else:
         sub = collections.Counter()
-        docs = list(corpus_lib.read_documents(data.sentences, skip_bad_input=data.skip_bad_input,
-                                              stats=sub))
+        docs = list(
+            corpus_lib.read_documents(data.sentences, skip_bad_input=data.skip_bad_input, stats=sub)
+        )
         stats.update({f"sentences_{k}": v for k, v in sub.items()})
         spans = masking.split_sentences(text for _, _, text in docs)
-        pairs = [(text[a:b], -1) for (_, _, text), sp in zip(docs, spans) for a, b in sp]
+        pairs = [(t[a:b], -1) for (_, _, t), sp in zip(docs, spans, strict=True) for a, b in sp]
     stats["sentences"] = len(pairs)
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -143,36 +166,54 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
     keep = [i for i, e in enumerate(encs) if len(e.ids) >= data.min_sentence_tokens]
     stats["skipped_short_sentence"] += len(texts) - len(keep)
     masker = masking.Masker(
-        data.masking, ner_model=data.ner_model, max_predictions=data.max_predictions,
-        max_tokens=data.query_len - 2, random_span_max=data.random_span_max, seed=data.seed,
-        stats=stats, ner_processes=data.ner_processes)
+        data.masking,
+        ner_model=data.ner_model,
+        max_predictions=data.max_predictions,
+        max_tokens=data.query_len - 2,
+        random_span_max=data.random_span_max,
+        seed=data.seed,
+        stats=stats,
+        ner_processes=data.ner_processes,
+    )
     cands = masker.candidates([texts[i] for i in keep])
     records = []
     desc = f"examples: {'NER' if masker.mode == 'salient' else 'random'} masking"
-    for i, cand in tqdm(zip(keep, cands), total=len(keep), desc=desc, unit="sent"):
+    for i, cand in tqdm(zip(keep, cands, strict=False), total=len(keep), desc=desc, unit="sent"):
         span = masker.choose(i, texts[i], encs[i].offsets, cand)
         if span is None:
             continue
         a, b, label = span
-        records.append({
-            "example_id": len(records), "block_id": block_ids[i], "text": texts[i],
-            "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
-            "span_start": a + 1, "span_end": b + 1, "span_label": label,  # +1: the [CLS]
-        })
+        records.append(
+            {
+                "example_id": len(records),
+                "block_id": block_ids[i],
+                "text": texts[i],
+                "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
+                "span_start": a + 1,
+                "span_end": b + 1,
+                "span_label": label,  # +1: the [CLS]
+            }
+        )
     stats["examples"] = len(records)
     return records, masker.mode
 
 
 def _block_records(blocks):
     for b in blocks:
-        yield {"block_id": b.block_id, "doc_id": b.doc_id, "title": b.title, "text": b.text,
-               "token_ids": np.asarray(b.token_ids, np.int32)}
+        yield {
+            "block_id": b.block_id,
+            "doc_id": b.doc_id,
+            "title": b.title,
+            "text": b.text,
+            "token_ids": np.asarray(b.token_ids, np.int32),
+        }
 
 
 def _write(cls, records, folder: str) -> None:
     builder = cls(records=records, data_dir=folder)
     builder.download_and_prepare(
-        file_format="array_record", download_dir=os.path.join(folder, "downloads"))
+        file_format="array_record", download_dir=os.path.join(folder, "downloads")
+    )
     shutil.rmtree(os.path.join(folder, "downloads"), ignore_errors=True)
 
 
@@ -205,6 +246,18 @@ def _read_summary(data_dir: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def _fresh_tmp(data_dir: str) -> str:
+    """An empty build folder; leftovers of interrupted prepares are removed first."""
+    os.makedirs(data_dir, exist_ok=True)
+    for name in os.listdir(data_dir):
+        if name.startswith(".prepare-tmp-"):
+            print(f"removing {name}, left by an interrupted prepare")
+            shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
+    tmp = os.path.join(data_dir, f".prepare-tmp-{os.getpid()}")
+    os.makedirs(tmp)
+    return tmp
 
 
 def _publish(tmp: str, data_dir: str, summary: dict) -> None:
@@ -244,11 +297,10 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
         raise PrepareError(
             f"{data_dir} holds data prepared from a different corpus or config "
             f"(fingerprint {old.get('fingerprint', '?')[:12]} != {fp[:12]}); pass --overwrite "
-            "(overwrite=True) to rebuild it, or choose another --config.data.data_dir")
+            "(overwrite=True) to rebuild it, or choose another --config.data.data_dir"
+        )
     start, stats = time.time(), collections.Counter()
-    tmp = os.path.join(data_dir, f".prepare-tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = _fresh_tmp(data_dir)
     blocks = build_blocks(data, stats)
     if not blocks:
         raise PrepareError(f"{data.corpus}: no usable documents")
@@ -256,10 +308,18 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
     _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
     _write(RealmExamples, records, os.path.join(tmp, "examples"))
     summary = {
-        "complete": True, "fingerprint": fp, "format_version": FORMAT_VERSION,
-        "data_dir": data_dir, "corpus": data.corpus, "sentences_source": data.sentences,
-        "masking": mode, "block_len": data.block_len, "query_len": data.query_len,
-        "config": {k: data[k] for k in FP_FIELDS}, "counts": dict(stats),
+        "complete": True,
+        "created": time.time(),
+        "fingerprint": fp,
+        "format_version": FORMAT_VERSION,
+        "data_dir": data_dir,
+        "corpus": data.corpus,
+        "sentences_source": data.sentences,
+        "masking": mode,
+        "block_len": data.block_len,
+        "query_len": data.query_len,
+        "config": {k: data[k] for k in FP_FIELDS},
+        "counts": dict(stats),
         "elapsed_s": round(time.time() - start, 2),
     }
     _publish(tmp, data_dir, summary)
@@ -278,18 +338,26 @@ def load_summary(data_dir: str) -> dict:
     """The summary of a complete prepare; a clear error for a missing or partial one."""
     s = _read_summary(data_dir)
     if s is None or not s.get("complete"):
-        partial = os.path.isdir(data_dir) and any(
-            n.startswith(".prepare-tmp-") or n in ("blocks", "examples") for n in os.listdir(data_dir))
+        names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+        partial = any(n.startswith(".prepare-tmp-") or n in ("blocks", "examples") for n in names)
         what = "an incomplete (interrupted?) prepare" if partial else "no prepared data"
-        raise PrepareError(f"{data_dir} holds {what}: no {SUMMARY}. Run `realm-jax prepare` "
-                           "(with --overwrite if needed) first.")
+        raise PrepareError(
+            f"{data_dir} holds {what}: no {SUMMARY}. Run `realm-jax prepare` "
+            "(with --overwrite if needed) first."
+        )
     return s
 
 
-def _source(data_dir: str, name: str, builder: str):
-    load_summary(data_dir)
-    path = os.path.join(data_dir, name, builder, "1.0.0")
+@functools.lru_cache(maxsize=8)
+def _open(path: str, fingerprint: str):
+    del fingerprint  # only part of the cache key: a re-prepared folder is opened afresh
     return tfds.builder_from_directory(path).as_data_source(split="train")
+
+
+def _source(data_dir: str, name: str, builder: str):
+    s = load_summary(data_dir)
+    key = f"{s['fingerprint']}:{s.get('created')}"
+    return _open(os.path.join(os.path.abspath(data_dir), name, builder, "1.0.0"), key)
 
 
 def blocks_source(data_dir: str):

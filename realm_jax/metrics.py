@@ -1,0 +1,70 @@
+"""Metrics: TensorBoard event files (tensorboardX) and console progress with steps/s and ETA."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+
+log = logging.getLogger("realm_jax")
+
+
+class MetricWriter:
+    """Writes scalars to <workdir>/tb (process 0 only)."""
+
+    def __init__(self, logdir: str):
+        self.writer = None
+        if jax.process_index() == 0:
+            from tensorboardX import SummaryWriter
+
+            os.makedirs(logdir, exist_ok=True)
+            self.writer = SummaryWriter(logdir)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for k, v in values.items():
+            self.writer.add_scalar(k, float(v), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_seconds(s: float) -> str:
+    s = int(max(0, s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+class Progress:
+    """steps/s (excluding the first, compiling step) and ETA for long loops."""
+
+    def __init__(self, total: int, start: int = 0):
+        self.total, self.start = total, start
+        self.t0 = None
+        self.s0 = start
+
+    def update(self, step: int) -> dict[str, float]:
+        now = time.time()
+        if self.t0 is None:  # first call after compilation
+            self.t0, self.s0 = now, step
+            return {}
+        rate = (step - self.s0) / max(now - self.t0, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        return {"steps_per_sec": rate, "eta_seconds": eta}
+
+
+def line(step: int, total: int, values: dict[str, float], prog: dict[str, float]) -> str:
+    keys = ("loss", "accuracy", "retrieval_utility", "retrieval_entropy", "staleness")
+    parts = [f"step {step}/{total}"] + [f"{k} {values[k]:.4f}" if k != "staleness"
+                                         else f"staleness {int(values[k])}"
+                                         for k in keys if k in values]
+    if prog:
+        parts += [f"{prog['steps_per_sec']:.2f} steps/s",
+                  f"ETA {format_seconds(prog['eta_seconds'])}"]
+    return " | ".join(parts)

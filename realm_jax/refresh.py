@@ -1,0 +1,206 @@
+"""Both sides of the index refresh.
+
+`Refresher` is the refresh job: it watches the trainer's checkpoints, restores only the
+document embedder, embeds every block on its devices, and publishes an index version
+(embeddings + a ScaNN searcher) atomically (index.py).
+
+`IndexFeed` is the trainer's side: it holds the row-sharded device matrix of block
+embeddings, and every `refresh.every` steps swaps in the newest published version (external
+mode) or re-embeds the corpus on the trainer's own devices (inprocess mode). The swap replaces
+the array's contents with one of the same shape and sharding, so nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from realm_jax import checkpoint, index, sharding
+from realm_jax.models import ModelConfig, RealmModel, doc_embedder_name
+from realm_jax.train_step import embed_blocks_fn, init_inputs, joint_len, pad_index
+
+log = logging.getLogger("realm_jax.refresh")
+
+
+def index_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), "index")
+
+
+def _host_embeddings(emb: jax.Array, num_blocks: int) -> np.ndarray:
+    """Sharded [Npad, D] device array -> host [N, D] (gathered across processes)."""
+    if jax.process_count() > 1:
+        emb = multihost_utils.process_allgather(emb, tiled=True)
+    return np.asarray(jax.device_get(emb))[:num_blocks]
+
+
+def build_searcher(config, embeddings: np.ndarray):
+    """A ScaNN searcher whose parameters come from config.refresh and the corpus size."""
+    from realm_jax import scann_index
+
+    r = config.refresh
+    params = scann_index.scann_params(len(embeddings), num_leaves=r.scann_num_leaves,
+                                      leaves_to_search=r.scann_leaves_to_search,
+                                      reorder=r.scann_reorder)
+    return scann_index.build_searcher(embeddings, k=10, **params)
+
+
+class IndexFeed:
+    """The trainer's document index on device: embeddings + tokens, row-sharded."""
+
+    def __init__(self, config, workdir: str, mesh, model: RealmModel, tokens: np.ndarray,
+                 owner: str = "trainer"):
+        self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
+        if self.mode not in ("external", "inprocess"):
+            raise ValueError(f"refresh.mode must be external or inprocess, got {self.mode!r}")
+        self.dir, self.owner = index_dir(workdir), owner
+        self.num_blocks = tokens.shape[0]
+        _, tok = pad_index(None, tokens, mesh)
+        self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
+        self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
+        self.emb = None  # [Npad, D]
+        self.step = -1  # the checkpoint step the current embeddings came from
+        self.last_swap_seconds = 0.0
+        self._warned = -1
+
+    def _load_published(self, step: int, path: str) -> None:
+        t0 = time.time()
+        host = index.load_embeddings(path)
+        emb, _ = pad_index(host, np.zeros((len(host), 1), np.int32), self.mesh)
+        new = sharding.put_rows(emb, self.mesh)
+        new.block_until_ready()
+        self.emb, self.step = new, step
+        self.last_swap_seconds = time.time() - t0
+        if jax.process_index() == 0:
+            index.mark_in_use(self.dir, step, self.owner)
+        log.info("index: now using version %d (%s), swap took %.2fs", step, path,
+                 self.last_swap_seconds)
+
+    def _newest(self, newer_than: int):
+        return index.latest_valid(self.dir, newer_than=newer_than,
+                                  expected_num_blocks=self.num_blocks,
+                                  expected_dim=self.config.model.proj_size)
+
+    def start(self, params, step: int) -> None:
+        """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
+        if self.mode == "inprocess":
+            self.reembed(params, step)
+            return
+        found = self._newest(-1)
+        deadline = time.time() + self.config.refresh.wait_seconds
+        while found is None or found[0] < min(step, 0):
+            if time.time() > deadline:
+                raise TimeoutError(
+                    f"no valid index in {self.dir} after {self.config.refresh.wait_seconds:.0f}s: "
+                    "start the refresh job (`realm-jax refresh`), use `realm-jax local`, or set "
+                    "--config.refresh.mode=inprocess")
+            log.info("waiting for the refresh job to publish an index in %s ...", self.dir)
+            time.sleep(self.config.refresh.poll_seconds)
+            found = self._newest(-1)
+        self._load_published(*found)
+
+    def reembed(self, params, step: int) -> None:
+        """In-process refresh: embed every block with the trainer's current parameters."""
+        t0 = time.time()
+        self.emb = self.embed(params, self.tokens)
+        self.emb.block_until_ready()
+        self.step, self.last_swap_seconds = step, time.time() - t0
+        log.info("index: re-embedded %d blocks in-process at step %d (%.2fs)", self.num_blocks,
+                 step, self.last_swap_seconds)
+
+    def maybe_refresh(self, params, step: int) -> bool:
+        """Called every refresh.every steps; True when the index changed."""
+        if self.mode == "inprocess":
+            self.reembed(params, step)
+            return True
+        found = self._newest(self.step)
+        if found is not None:
+            self._load_published(*found)
+            return True
+        stale = step - self.step
+        if stale > self.config.refresh.max_staleness and self._warned != self.step:
+            log.warning("index staleness %d steps exceeds refresh.max_staleness %d: is the "
+                        "refresh job running and keeping up?", stale,
+                        self.config.refresh.max_staleness)
+            self._warned = self.step
+        return False
+
+
+class Refresher:
+    """The refresh job: checkpoints in, published index versions out."""
+
+    def __init__(self, config, workdir: str, tokens: np.ndarray, mesh=None):
+        self.config, self.workdir = config, workdir
+        self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
+        self.cfg = ModelConfig.from_config(config.model)
+        self.model = RealmModel(self.cfg)
+        self.name = doc_embedder_name(self.cfg)
+        self.num_blocks = tokens.shape[0]
+        _, tok = pad_index(None, tokens, self.mesh)
+        self.tokens = sharding.put_rows(tok, self.mesh)
+        self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
+        self.abstract = self._abstract_subtree()
+        self.dir = index_dir(workdir)
+        os.makedirs(self.dir, exist_ok=True)
+
+    def _abstract_subtree(self):
+        from flax import linen as nn
+
+        d = self.config.data
+        inputs = init_inputs(self.cfg, d.query_len, d.block_len, joint_len(self.config))
+        boxed = jax.eval_shape(lambda r: self.model.init(r, *inputs)["params"], jax.random.key(0))
+        shard = sharding.logical_shardings(self.mesh, boxed)
+        return checkpoint.abstract_like(nn.meta.unbox(boxed)[self.name], shard[self.name])
+
+    def refresh_once(self, mgr, step: int) -> str:
+        """Embed the corpus with checkpoint `step`'s document embedder and publish it."""
+        t0 = time.time()
+        params = checkpoint.restore_params_subtree(mgr, step, self.name, self.abstract)
+        t_restore = time.time() - t0
+        emb = self.embed({self.name: params}, self.tokens)
+        host = _host_embeddings(emb, self.num_blocks)
+        t_embed = time.time() - t0 - t_restore
+        if jax.process_index() != 0:
+            return ""
+        searcher = build_searcher(self.config, host) if self.config.refresh.build_scann else None
+        path = index.publish_index(
+            self.dir, step, host, searcher=searcher, keep=self.config.refresh.keep,
+            extra={"source_checkpoint": os.path.join(checkpoint.checkpoint_dir(self.workdir),
+                                                     str(step)),
+                   "embed_seconds": t_embed, "restore_seconds": t_restore})
+        log.info("refresh: published index %d (%d blocks, restore %.2fs, embed %.2fs = %.0f "
+                 "blocks/s, total %.2fs)", step, self.num_blocks, t_restore, t_embed,
+                 self.num_blocks / max(t_embed, 1e-9), time.time() - t0)
+        return path
+
+    def run(self, stop: threading.Event | None = None, max_versions: int | None = None) -> int:
+        """Watch checkpoints until `stop` is set (or max_versions published); returns count."""
+        stop = stop or threading.Event()
+        mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
+        versions = index.list_versions(self.dir)
+        last = versions[-1] if versions else -1
+        done = 0
+        log.info("refresh: watching %s (last published index: %d)",
+                 checkpoint.checkpoint_dir(self.workdir), last)
+        while not stop.is_set() and (max_versions is None or done < max_versions):
+            mgr.reload()
+            steps = mgr.all_steps()
+            if steps and max(steps) > last:
+                last = max(steps)  # catch up: skip straight to the newest checkpoint
+                self.refresh_once(mgr, last)
+                done += 1
+            else:
+                stop.wait(self.config.refresh.poll_seconds)
+        return done
+
+
+def _all_devices_mesh(config):
+    """The refresh job shards blocks over all its devices along 'data'."""
+    import ml_collections
+
+    return ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (-1, 1)})

@@ -1,0 +1,131 @@
+"""ScaNN maximum-inner-product search for host-side retrieval.
+
+Used by `ask`, evaluation and corpora too large for device memory; training retrieves exactly
+on device instead. Parameters scale with the corpus: a k-means tree of about sqrt(N) leaves,
+asymmetric hashing (2 dims per 4-bit code, anisotropic loss) and exact float32 re-scoring of
+the best `reorder` candidates. Small corpora use exact brute force (see BRUTE_FORCE_BELOW).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+# Below this many blocks ScaNN searches exactly. A tree of sqrt(N) leaves has about sqrt(N)
+# points per leaf, and ScaNN's k-means wants >= 50 per leaf (its min_partition_size) to train
+# stable centroids; 4096 blocks gives 64. Exact search of 4096 x 128 costs ~0.5 MFLOP per
+# query, so nothing is lost by skipping the tree there.
+BRUTE_FORCE_BELOW = 4096
+MIN_POINTS_PER_LEAF = 50
+MIN_LEAVES_TO_SEARCH = 10
+LEAVES_FRACTION = 0.05
+AH_DIMS_PER_BLOCK = 2
+AH_THRESHOLD = 0.2  # anisotropic quantisation threshold recommended for dot product
+
+
+def scann_params(
+    num_blocks: int,
+    *,
+    num_leaves: int = -1,
+    leaves_to_search: int = -1,
+    reorder: int = 100,
+    brute_force: bool | None = None,
+) -> dict:
+    """ScaNN parameters for a corpus of `num_blocks`; -1 (or 0) picks the size-based default.
+
+    Returns {"brute_force", "num_leaves", "leaves_to_search", "reorder"} (leaves are 0 on the
+    brute-force path); passing that dict back in returns it unchanged, so
+    build_searcher(emb, **scann_params(n)) works. `brute_force` None decides by size.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if brute_force is None:
+        brute_force = num_blocks < BRUTE_FORCE_BELOW and num_leaves <= 0
+    if brute_force:
+        return {"brute_force": True, "num_leaves": 0, "leaves_to_search": 0, "reorder": reorder}
+    if num_leaves <= 0:
+        most = max(2, num_blocks // MIN_POINTS_PER_LEAF)
+        num_leaves = int(min(max(round(math.sqrt(num_blocks)), 2), most))
+    if leaves_to_search <= 0:
+        leaves_to_search = max(MIN_LEAVES_TO_SEARCH, math.ceil(LEAVES_FRACTION * num_leaves))
+    leaves_to_search = min(leaves_to_search, num_leaves)
+    return {
+        "brute_force": False,
+        "num_leaves": num_leaves,
+        "leaves_to_search": leaves_to_search,
+        "reorder": reorder,
+    }
+
+
+def _scann():
+    """Import scann lazily: it is heavy and only host-side retrieval needs it."""
+    from scann.scann_ops.py import scann_ops_pybind
+
+    return scann_ops_pybind
+
+
+def build_searcher(embeddings: np.ndarray, k: int = 10, **params: int) -> Any:
+    """Build a dot-product ScaNN searcher over [N, D] embeddings returning `k` neighbours.
+
+    `params` are scann_params overrides (num_leaves, leaves_to_search, reorder, brute_force)
+    or a whole scann_params result.
+    """
+    db = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if db.ndim != 2 or db.shape[0] < 1:
+        raise ValueError(f"embeddings must be a non-empty [N, D] matrix, got {db.shape}")
+    p = scann_params(db.shape[0], **params)
+    builder = _scann().builder(db, k, "dot_product")
+    if p["brute_force"]:
+        return builder.score_brute_force().build()
+    training_sample = min(db.shape[0], 250_000)
+    builder = builder.tree(
+        num_leaves=p["num_leaves"],
+        num_leaves_to_search=p["leaves_to_search"],
+        training_sample_size=training_sample,
+    )
+    builder = builder.score_ah(
+        AH_DIMS_PER_BLOCK,
+        anisotropic_quantization_threshold=AH_THRESHOLD,
+        training_sample_size=training_sample,
+    )
+    return builder.reorder(max(p["reorder"], k)).build()
+
+
+def save_searcher(searcher: Any, directory: str) -> None:
+    """Serialise with paths relative to `directory`, so the directory can be renamed/moved."""
+    os.makedirs(directory, exist_ok=True)
+    searcher.serialize(directory, relative_path=True)
+
+
+def load_searcher(directory: str) -> Any:
+    """Load a searcher saved by save_searcher. Refuses pickled docids (never unpickle)."""
+    if os.path.exists(os.path.join(directory, "scann_docids.pkl")):
+        raise ValueError(f"{directory}: holds a pickled docid map; refusing to unpickle it")
+    if not os.path.isfile(os.path.join(directory, "scann_assets.pbtxt")):
+        raise FileNotFoundError(f"{directory}: no scann_assets.pbtxt (not a saved searcher)")
+    return _scann().load_searcher(directory, assets_backcompat_shim=False)
+
+
+def search(
+    searcher: Any, queries: np.ndarray, k: int, *, leaves_to_search: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k by dot product: (ids [Q, k] int64, scores [Q, k] float32), best first.
+
+    Rows are padded with id -1 and score -inf when the corpus has fewer than k blocks.
+    """
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if q.ndim != 2:
+        raise ValueError(f"queries must be [Q, D], got shape {q.shape}")
+    if q.shape[0] == 0:
+        return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
+    run = searcher.search_batched_parallel if q.shape[0] >= 512 else searcher.search_batched
+    idx, dist = run(q, final_num_neighbors=k, leaves_to_search=leaves_to_search)
+    idx, dist = np.asarray(idx, np.int64), np.asarray(dist, np.float32)
+    if idx.shape[1] < k:
+        pad = k - idx.shape[1]
+        idx = np.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
+        dist = np.pad(dist, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return idx, dist

@@ -1,0 +1,120 @@
+"""Device mesh, logical axis rules, and sharded creation of pytrees.
+
+Parameters carry logical axis names (models.py); these rules map them onto mesh axes. The
+document index (embeddings and tokens) is sharded by rows over *every* device of the job.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Weights: shard the big matrices over 'model' (vocab, mlp, heads); activations' batch on 'data'.
+LOGICAL_RULES = (
+    ("act_batch", "data"),
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("embed", None),
+    ("embed_out", None),
+    ("kv", None),
+    ("proj", None),
+    ("pos", None),
+    ("type", None),
+    ("unit", None),
+)
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the devices or the batch."""
+
+
+def resolve_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
+    """Replace one -1 by the devices left over; check the product equals num_devices."""
+    shape = [int(s) for s in shape]
+    if shape.count(-1) > 1:
+        raise MeshError(f"mesh.shape {tuple(shape)}: at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise MeshError(f"mesh.shape {tuple(shape)} does not divide {num_devices} devices")
+        shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise MeshError(f"mesh.shape {tuple(shape)} needs {math.prod(shape)} devices, "
+                        f"the job has {num_devices}")
+    return tuple(shape)
+
+
+def make_mesh(mesh_config, devices=None) -> Mesh:
+    """A mesh from config.mesh (axes + shape with -1 for 'the rest'), Auto axis types."""
+    devices = devices if devices is not None else jax.devices()
+    axes = tuple(mesh_config.axes)
+    if len(axes) != len(mesh_config.shape):
+        raise MeshError(f"mesh.axes {axes} and mesh.shape {tuple(mesh_config.shape)} differ in length")
+    if "data" not in axes:
+        raise MeshError(f"mesh.axes {axes} must include 'data'")
+    shape = resolve_mesh_shape(mesh_config.shape, len(devices))
+    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+                         devices=devices)
+
+
+def data_size(mesh: Mesh) -> int:
+    return mesh.shape["data"]
+
+
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+    """The global batch must split evenly over the data axis and over processes."""
+    if batch_size % data_size(mesh):
+        raise MeshError(f"train.batch_size {batch_size} is not divisible by the mesh's data axis "
+                        f"({data_size(mesh)}); change train.batch_size or mesh.shape")
+    if batch_size % jax.process_count():
+        raise MeshError(f"train.batch_size {batch_size} is not divisible by "
+                        f"{jax.process_count()} processes")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P("data"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def rows_spec(mesh: Mesh) -> P:
+    """Rows sharded over every mesh axis (the document index)."""
+    return P(tuple(mesh.axis_names))
+
+
+def rows_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, rows_spec(mesh))
+
+
+def logical_shardings(mesh: Mesh, abstract_boxed_tree):
+    """Shardings for a tree whose leaves may be nn.LogicallyPartitioned (others replicated)."""
+    specs = nn.get_partition_spec(abstract_boxed_tree)
+    return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
+
+
+def padded_rows(num_rows: int, mesh: Mesh) -> int:
+    """Rows rounded up so every device holds the same number."""
+    n = mesh.devices.size
+    return -(-num_rows // n) * n
+
+
+def put_rows(array: np.ndarray, mesh: Mesh) -> jax.Array:
+    """Put a host [N, ...] array (already padded) on the mesh, sharded by rows.
+
+    Every process passes the full array; each device takes its own rows (works multi-host).
+    """
+    sharding = rows_sharding(mesh)
+    return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Process-local batch shards -> global arrays sharded on 'data'."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}

@@ -1,0 +1,270 @@
+"""The REALM train step: retrieve, re-embed, read, marginalise, update. Pure and jitted.
+
+Shapes: B queries, K candidates (candidate 0 = the null document, K-1 retrieved), P masked
+positions per query, Lq/Lb/Lj query/block/joint lengths, N blocks (padded), D = proj_size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from realm_jax import losses, retrieval, sharding
+from realm_jax.models import ModelConfig, RealmModel
+from realm_jax.tokenization import SEP_ID
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def warmup_steps(train_cfg) -> int:
+    """BERT/REALM warmup: min(10000, max(100, steps / 10)) unless set explicitly."""
+    if train_cfg.warmup_steps >= 0:
+        return int(train_cfg.warmup_steps)
+    return int(min(10_000, max(100, train_cfg.steps // 10)))
+
+
+def learning_rate(train_cfg) -> optax.Schedule:
+    """Linear warmup to lr, then linear decay to 0 at train.steps."""
+    warm = warmup_steps(train_cfg)
+    decay = max(1, train_cfg.steps - warm)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, train_cfg.lr, max(1, warm)),
+         optax.linear_schedule(train_cfg.lr, 0.0, decay)], [warm])
+
+
+def _decay_mask(params):
+    """Weight decay on kernels and embeddings only; not on LayerNorm or biases."""
+
+    def keep(path, _):
+        names = [str(getattr(p, "key", getattr(p, "name", ""))) for p in path]
+        return not any(n in ("bias", "scale") for n in names)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    """AdamW as in BERT, with global-norm clipping."""
+    return optax.chain(
+        optax.clip_by_global_norm(train_cfg.grad_clip),
+        optax.adamw(learning_rate(train_cfg), b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
+                    eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay, mask=_decay_mask),
+    )
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def init_inputs(cfg: ModelConfig, lq: int, lb: int, lj: int):
+    """Dummy (ids, segs, mask) tuples touching every network, for init/eval_shape."""
+
+    def t(length):
+        ids = jnp.ones((1, length), jnp.int32)
+        return ids, jnp.zeros_like(ids), ids
+
+    return t(lq), t(lb), t(lj), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, lj), jnp.int32)
+
+
+def create_state(config, mesh: Mesh, rng, params_hook=None):
+    """The train state created sharded: eval_shape -> logical specs -> jit(out_shardings).
+
+    params_hook(params) may replace parameters on the host (weight import) before training.
+    Returns (model, optimizer, state, state_shardings).
+    """
+    mcfg = ModelConfig.from_config(config.model)
+    model = RealmModel(mcfg)
+    optimizer = make_optimizer(config.train)
+    d = config.data
+    inputs = init_inputs(mcfg, d.query_len, d.block_len, joint_len(config))
+
+    def init(rng):
+        params = model.init(rng, *inputs)["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(params))
+
+    abstract = jax.eval_shape(init, rng)
+    shardings = sharding.logical_shardings(mesh, abstract)
+    state = jax.jit(init, out_shardings=shardings)(rng)
+    state = nn.meta.unbox(state)
+    if params_hook is not None:
+        params = params_hook(jax.device_get(state.params))
+        params = jax.device_put(params, shardings.params)
+        state = state.replace(params=params, opt_state=jax.jit(
+            optimizer.init, out_shardings=shardings.opt_state)(params))
+    return model, optimizer, state, shardings
+
+
+def joint_len(config) -> int:
+    return config.data.query_len + config.data.block_len - 1
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def block_segments(tokens):
+    """[..., Lb] block ids -> segment ids: 0 up to the title's [SEP], 1 after it."""
+    is_sep = tokens == SEP_ID
+    seg = (jnp.cumsum(is_sep, axis=-1) - is_sep) >= 1
+    return jnp.where(tokens != 0, seg, False).astype(jnp.int32)
+
+
+def build_joint(query_ids, block_tokens, length: int):
+    """[CLS] x [SEP] title [SEP] body [SEP] for every candidate, built on device.
+
+    query_ids [B, Lq] (padded [CLS] x [SEP]), block_tokens [B, K, Lb] ([CLS] title [SEP] body
+    [SEP], all-zero for the null document) -> (ids, segs, mask), each [B, K, length].
+    Query tokens keep their positions, so the masked positions carry over unchanged.
+    """
+    B, K, Lb = block_tokens.shape
+    Lq = query_ids.shape[1]
+    qlen = (query_ids != 0).sum(-1)[:, None, None]  # [B, 1, 1]
+    pos = jnp.arange(length)[None, None, :]  # [1, 1, Lj]
+    q_part = jnp.take(query_ids, jnp.minimum(pos[0, 0], Lq - 1), axis=1)[:, None, :]  # [B,1,Lj]
+    src = jnp.clip(pos - qlen + 1, 0, Lb - 1)  # skip the block's own [CLS]
+    b_part = jnp.take_along_axis(block_tokens, jnp.broadcast_to(src, (B, K, length)), axis=2)
+    in_block = (pos >= qlen) & (pos - qlen + 1 < Lb)
+    ids = jnp.where(pos < qlen, q_part, jnp.where(in_block, b_part, 0))
+    segs = ((pos >= qlen) & (ids != 0)).astype(jnp.int32)
+    return ids, segs, (ids != 0).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- step
+
+
+def retrieve(params, batch, index_emb, index_tokens, *, model: RealmModel, mesh: Mesh,
+             num_candidates: int, num_valid: int):
+    """Embed queries, search the index, re-embed the hits with live params.
+
+    Returns (q_emb [B, D], relevance [B, K] with the null document first at score 0,
+    candidate tokens [B, K, Lb] with the null document all zeros, retrieved ids [B, K-1]).
+    """
+    q_ids = batch["query_ids"]  # [B, Lq]
+    q_emb = model.apply({"params": params}, q_ids, jnp.zeros_like(q_ids),
+                        (q_ids != 0).astype(jnp.int32), method=RealmModel.embed_query)  # [B, D]
+    k = num_candidates - 1
+    _, ids, tokens = retrieval.search_and_fetch(
+        mesh, jax.lax.stop_gradient(q_emb), index_emb, index_tokens, batch["block_id"],
+        k=k, num_valid=num_valid)  # ids [B, k], tokens [B, k, Lb]
+    B, _, Lb = tokens.shape
+    flat = tokens.reshape(B * k, Lb)
+    d_emb = model.apply({"params": params}, flat, block_segments(flat),
+                        (flat != 0).astype(jnp.int32),
+                        method=RealmModel.embed_doc).reshape(B, k, -1)  # live params: grads flow
+    retrieved = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
+    relevance = jnp.concatenate([jnp.zeros((B, 1), retrieved.dtype), retrieved], axis=1)
+    cands = jnp.concatenate([jnp.zeros((B, 1, Lb), tokens.dtype), tokens], axis=1)
+    return q_emb, relevance, cands, ids
+
+
+def realm_loss(params, batch, index_emb, index_tokens, *, model: RealmModel, mesh: Mesh,
+               num_candidates: int, num_valid: int, length: int):
+    """REALM's marginal loss for one batch; returns (loss, metrics)."""
+    _, relevance, cands, ids = retrieve(params, batch, index_emb, index_tokens, model=model,
+                                        mesh=mesh, num_candidates=num_candidates,
+                                        num_valid=num_valid)
+    B, K, _ = cands.shape
+    j_ids, j_segs, j_mask = build_joint(batch["query_ids"], cands, length)
+    positions = jnp.repeat(batch["mlm_positions"], K, axis=0)  # [B*K, P]
+    logits = model.apply({"params": params}, j_ids.reshape(B * K, length),
+                         j_segs.reshape(B * K, length), j_mask.reshape(B * K, length), positions,
+                         method=RealmModel.mlm_logits)
+    logits = logits.reshape(B, K, *logits.shape[1:])  # [B, K, P, V]
+    loss, metrics = losses.marginal_loss(relevance, logits, batch["mlm_targets"],
+                                         batch["mlm_weights"])
+    metrics["retrieved_ids"] = ids
+    return loss, metrics
+
+
+def train_step(state: TrainState, batch, index_emb, index_tokens, index_step, *, model, optimizer,
+               mesh, num_candidates, num_valid, length):
+    """One optimizer step; returns (new state, metrics)."""
+    loss_fn = functools.partial(realm_loss, model=model, mesh=mesh, num_candidates=num_candidates,
+                                num_valid=num_valid, length=length)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, batch, index_emb, index_tokens)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics.pop("retrieved_ids")
+    metrics["grad_norm"] = optax.global_norm(grads)
+    for name in grads:
+        metrics[f"grad_norm/{name}"] = optax.global_norm(grads[name])
+    metrics["staleness"] = state.step - index_step
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, num_valid: int):
+    """jax.jit of train_step with explicit in/out shardings; the state is donated."""
+    fn = functools.partial(train_step, model=model, optimizer=optimizer, mesh=mesh,
+                           num_candidates=config.train.num_candidates, num_valid=num_valid,
+                           length=joint_len(config))
+    rows = sharding.rows_sharding(mesh)
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh), rows, rows,
+                      sharding.replicated(mesh)),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+
+
+def compile_loss(config, mesh: Mesh, model, num_valid: int):
+    """The forward pass alone (evaluation and tests): (params, batch, emb, tokens) -> metrics."""
+    fn = functools.partial(realm_loss, model=model, mesh=mesh,
+                           num_candidates=config.train.num_candidates, num_valid=num_valid,
+                           length=joint_len(config))
+    return jax.jit(lambda *a: fn(*a)[1], out_shardings=NamedSharding(mesh, P()))
+
+
+def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
+    """A jitted function embedding every block of a row-sharded token table with live params.
+
+    (params, tokens [N, Lb]) -> embeddings [N, D] sharded like tokens. Used by the in-process
+    refresh and the refresh job. Blocks are embedded in chunks of batch_size rows per device.
+    """
+    rows = sharding.rows_sharding(mesh)
+
+    def embed(params, tokens):
+        n_dev = mesh.devices.size
+        n = tokens.shape[0]
+        per_dev = n // n_dev
+        chunk = min(batch_size, per_dev)
+        while per_dev % chunk:
+            chunk -= 1
+        t = tokens.reshape(n_dev, per_dev // chunk, chunk, -1).transpose(1, 0, 2, 3)
+
+        def one(_, tc):  # tc [n_dev, chunk, Lb]
+            flat = tc.reshape(n_dev * chunk, -1)
+            flat = jax.lax.with_sharding_constraint(flat, rows)
+            e = model.apply({"params": params}, flat, block_segments(flat),
+                            (flat != 0).astype(jnp.int32), method=RealmModel.embed_doc)
+            return None, e.reshape(n_dev, chunk, -1)
+
+        _, out = jax.lax.scan(one, None, t)  # [steps, n_dev, chunk, D]
+        return out.transpose(1, 0, 2, 3).reshape(n, -1)
+
+    return jax.jit(embed, out_shardings=rows)
+
+
+def pad_index(emb: np.ndarray | None, tokens: np.ndarray, mesh: Mesh):
+    """Pad [N, ...] host arrays with zero rows so every device holds the same count."""
+    n = sharding.padded_rows(tokens.shape[0], mesh)
+    tok = np.zeros((n, tokens.shape[1]), np.int32)
+    tok[: tokens.shape[0]] = tokens
+    if emb is None:
+        return None, tok
+    e = np.zeros((n, emb.shape[1]), np.float32)
+    e[: emb.shape[0]] = emb
+    return e, tok
