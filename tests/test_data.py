@@ -6,12 +6,12 @@ import os
 
 import numpy as np
 import pytest
-from conftest import REPO, shared_path
 
 from realm_jax import tokenization as tk
 from realm_jax.config_lib import load_config
 from realm_jax.data import corpus, masking
 from realm_jax.data import prepare as P
+from tests.conftest import REPO, shared_path
 
 SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
 

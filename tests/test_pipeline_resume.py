@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO
 
 from realm_jax import tokenization as tk
 from realm_jax.config_lib import load_config
 from realm_jax.data import pipeline as PL
 from realm_jax.data import prepare as P
+from tests.conftest import REPO
 
 SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
 SPEC = os.path.join(REPO, "configs", "realm.py:smoke")

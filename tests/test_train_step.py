@@ -1,0 +1,157 @@
+"""The REALM train step on 8 fake CPU devices, against independent references."""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax import losses, sharding, tokenization, train_step
+from realm_jax.models import RealmModel
+from tests.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = tiny_config()
+    mesh = sharding.make_mesh(config.mesh)
+    model, optimizer, state, shardings = train_step.create_state(config, mesh, jax.random.key(0))
+    emb, tokens = synthetic_index(config)
+    e, t = train_step.pad_index(emb, tokens, mesh)
+    index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
+    batch = synthetic_batch(config)
+    return config, mesh, model, optimizer, state, shardings, emb, tokens, index, batch
+
+
+def test_mesh_errors_are_clear():
+    cfg = tiny_config("mesh.shape=(3, -1)")
+    with pytest.raises(sharding.MeshError, match="does not divide 8 devices"):
+        sharding.make_mesh(cfg.mesh)
+    mesh = sharding.make_mesh(tiny_config("mesh.shape=(8, 1)").mesh)
+    with pytest.raises(sharding.MeshError, match="not divisible by the mesh's data axis"):
+        sharding.check_batch(12, mesh)
+
+
+def test_retrieval_matches_numpy_and_excludes_own_block(setup):
+    config, mesh, model, _, state, _, emb, tokens, index, batch = setup
+    fn = jax.jit(functools.partial(
+        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)))
+    q_emb, relevance, cands, ids = fn(state.params, sharding.global_batch(batch, mesh), *index)
+    q = np.asarray(q_emb, np.float64)
+    scores = q @ emb.T.astype(np.float64)
+    for b, own in enumerate(batch["block_id"]):
+        if own >= 0:
+            scores[b, own] = -np.inf
+    want = np.argsort(-scores, axis=1)[:, :3]
+    np.testing.assert_array_equal(np.asarray(ids), want)
+    assert not (np.asarray(ids) == batch["block_id"][:, None]).any()  # no trivial retrieval
+    # Candidate 0 is the null document: empty tokens, relevance 0.
+    np.testing.assert_array_equal(np.asarray(cands)[:, 0], 0)
+    np.testing.assert_array_equal(np.asarray(relevance)[:, 0], 0)
+    np.testing.assert_array_equal(np.asarray(cands)[:, 1:], tokens[want])
+
+
+def test_shard_map_search_scores_match_numpy():
+    from realm_jax import retrieval
+
+    mesh = sharding.make_mesh(tiny_config().mesh)
+    rng = np.random.default_rng(3)
+    emb = rng.normal(size=(1001, 16)).astype(np.float32)
+    tok = rng.integers(1, 50, size=(1001, 4)).astype(np.int32)
+    e, t = train_step.pad_index(emb, tok, mesh)
+    q = rng.normal(size=(8, 16)).astype(np.float32)
+    ex = np.array([-1, 0, 5, 1000, 17, -1, 3, 2], np.int32)
+    vals, ids, got_tok = jax.jit(functools.partial(
+        retrieval.search_and_fetch, mesh, k=5, num_valid=1001))(
+        q, sharding.put_rows(e, mesh), sharding.put_rows(t, mesh), ex)
+    s = q.astype(np.float64) @ emb.T
+    s[ex >= 0, ex[ex >= 0]] = -np.inf
+    want = np.argsort(-s, axis=1)[:, :5]
+    np.testing.assert_array_equal(np.asarray(ids), want)
+    np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(s, want, 1), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got_tok), tok[want])
+
+
+def test_joint_input_matches_python_format():
+    rng = np.random.default_rng(0)
+    q_raw, title, body = [5, 6, 7], [8, 9], [10, 11, 12, 13]
+    q = tokenization.pad_to(tokenization.query_ids(q_raw, 8), 8)[None]
+    blk, _ = tokenization.block_ids(title, body, 10)
+    blocks = np.stack([np.zeros(10, np.int32), tokenization.pad_to(blk, 10)])[None]
+    ids, segs, mask = train_step.build_joint(jnp.asarray(q), jnp.asarray(blocks), 16)
+    want, want_seg = tokenization.joint_ids(q_raw, title, body, 16)
+    np.testing.assert_array_equal(np.asarray(ids)[0, 1], tokenization.pad_to(want, 16))
+    np.testing.assert_array_equal(np.asarray(segs)[0, 1], tokenization.pad_to(want_seg, 16))
+    np.testing.assert_array_equal(np.asarray(ids)[0, 0], q[0].tolist() + [0] * 8)  # null doc
+    assert np.asarray(mask)[0, 0].sum() == 5
+    del rng
+
+
+def test_marginal_loss_hand_computed():
+    # One query, two candidates, vocabulary of 3, two targets (the second is padding).
+    rel = np.array([[0.0, np.log(3.0)]])  # p(z) = [1/4, 3/4]
+    logits = np.zeros((1, 2, 2, 3))
+    logits[0, 0, 0] = [np.log(2.0), 0, 0]  # p(y=0 | z0) = 2/4
+    logits[0, 1, 0] = [0, np.log(6.0), np.log(2.0)]  # p(y=0 | z1) = 1/9
+    targets = np.array([[0, 1]])
+    w = np.array([[1.0, 0.0]])
+    loss, m = losses.marginal_loss(jnp.asarray(rel), jnp.asarray(logits), jnp.asarray(targets),
+                                   jnp.asarray(w))
+    p = 0.25 * 0.5 + 0.75 / 9
+    assert abs(float(loss) + np.log(p)) < 1e-6
+    assert abs(float(m["retrieval_utility"]) - (np.log(p) - np.log(0.5))) < 1e-6
+    ent = -(0.25 * np.log(0.25) + 0.75 * np.log(0.75))
+    assert abs(float(m["retrieval_entropy"]) - ent) < 1e-6
+    # marginal over vocab at target 0: y=0 -> p, y=1 -> .25*.25+.75*(6/9), y=2 -> ...
+    assert float(m["accuracy"]) == 0.0  # y=1 has the largest marginal probability
+
+
+@pytest.fixture(scope="module")
+def step8(setup):
+    """One compiled train step on the 8-device mesh (compiled once for the module)."""
+    config, mesh, model, optimizer, state, shardings, emb, _, index, batch = setup
+    fn = train_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
+    _, metrics = fn(state, sharding.global_batch(batch, mesh), *index, jnp.int32(0))
+    return jax.device_get(metrics)
+
+
+def test_gradients_reach_all_networks(step8):
+    for name in ("query_embedder", "doc_embedder", "reader"):
+        assert step8[f"grad_norm/{name}"] > 0, name
+    assert np.isfinite(step8["loss"]) and step8["loss"] > 0
+
+
+def test_same_loss_on_one_device_and_eight(setup, step8):
+    config, _, model, _, _, _, emb, tokens, _, batch = setup
+    mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
+    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
+    e, t = train_step.pad_index(emb, tokens, mesh)
+    loss_fn = train_step.compile_loss(config, mesh, model, len(emb))
+    metrics = jax.device_get(loss_fn(state.params, sharding.global_batch(batch, mesh),
+                                     sharding.put_rows(e, mesh), sharding.put_rows(t, mesh)))
+    np.testing.assert_allclose(metrics["loss"], step8["loss"], rtol=1e-5)
+
+
+def test_two_process_distributed_matches_single_process(step8):
+    m8 = step8
+    worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=os.path.dirname(os.path.dirname(worker)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    losses_ = [float(line.split()[1]) for out in outs for line in out.splitlines()
+               if line.startswith("LOSS ")]
+    assert len(losses_) == 2
+    for loss in losses_:
+        np.testing.assert_allclose(loss, m8["loss"], rtol=1e-5)
