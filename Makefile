@@ -19,8 +19,12 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The main job on the bundled sample: prepare the data (idempotent), then trainer + refresher
+# together on 2 fake CPU devices. Starts from scratch each time (prepared data is reused).
 smoke: $(STAMP)
-	$(PY) -m realm_jax smoke --workdir $(SMOKE_DIR)
+	rm -rf $(SMOKE_DIR)/checkpoints $(SMOKE_DIR)/index $(SMOKE_DIR)/tb
+	$(PY) -m realm_jax prepare --config configs/realm.py:smoke --workdir $(SMOKE_DIR)
+	$(PY) -m realm_jax local --config configs/realm.py:smoke --workdir $(SMOKE_DIR) --cpu_devices 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check realm_jax configs tests bench

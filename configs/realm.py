@@ -76,11 +76,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # ---------------------------------------------------------------- train
     c.train = ml_collections.ConfigDict()
-    c.train.batch_size = 512 if variant == "base" else 16  # global batch of masked sentences
-    c.train.num_candidates = 8  # retrieved documents incl. the null document (paper: 8)
-    c.train.steps = 200_000 if variant == "base" else (120 if variant == "smoke" else 2000)
-    c.train.lr = 3e-5 if variant == "base" else 1e-4  # peak learning rate (BERT AdamW)
-    c.train.warmup_steps = -1  # -1 = min(10000, max(100, steps / 10))
+    c.train.batch_size = {"smoke": 8, "small": 32, "base": 512}[variant]  # global batch
+    c.train.num_candidates = 4 if variant == "smoke" else 8  # incl. the null doc (paper: 8)
+    c.train.steps = {"smoke": 100, "small": 2000, "base": 200_000}[variant]  # optimizer steps
+    c.train.lr = {"smoke": 1e-3, "small": 1e-4, "base": 3e-5}[variant]  # peak LR (BERT AdamW)
+    c.train.warmup_steps = 10 if variant == "smoke" else -1  # -1: min(1e4, max(100, steps/10))
     c.train.weight_decay = 0.01  # AdamW decay, not on LayerNorm or biases
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
@@ -88,16 +88,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.adam_eps = 1e-6  # Adam epsilon (BERT)
     c.train.seed = 0  # parameter init seed
     c.train.log_every = 10 if variant != "base" else 100  # steps between console/TensorBoard logs
-    c.train.checkpoint_every = 40 if variant == "smoke" else 1000  # steps between orbax saves
+    c.train.checkpoint_every = 20 if variant == "smoke" else 500  # steps between orbax saves
     c.train.keep_checkpoints = 3  # checkpoints kept
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
 
     # ---------------------------------------------------------------- index refresh
     c.refresh = ml_collections.ConfigDict()
     c.refresh.mode = "external"  # external (refresh job) or inprocess (trainer re-embeds)
-    c.refresh.every = 40 if variant == "smoke" else 500  # steps between index swaps (paper ~500)
+    c.refresh.every = 20 if variant == "smoke" else 500  # steps between index swaps (paper ~500)
     c.refresh.keep = 3  # index versions kept by the refresher
-    c.refresh.max_staleness = 4 * (40 if variant == "smoke" else 500)  # warn above this many steps
+    c.refresh.max_staleness = 4 * (20 if variant == "smoke" else 500)  # warn above this many steps
     c.refresh.embed_batch_size = 64 if variant == "smoke" else 512  # blocks per embedding call
     c.refresh.poll_seconds = 2.0  # how often the refresher looks for a new checkpoint
     c.refresh.wait_seconds = 600.0  # trainer wait for the first index before giving up

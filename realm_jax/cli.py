@@ -59,7 +59,7 @@ def _setup(args) -> None:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     if args.cpu_devices:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
