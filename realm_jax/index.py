@@ -4,7 +4,8 @@ The refresh job publishes ``<index_dir>/step_<08d>/`` (embeddings.npy, manifest.
 optional serialised ScaNN searcher under scann/) by writing everything into a ``.tmp-*``
 directory, fsyncing it and renaming it into place, so a reader never sees a partial version.
 Trainers pick the newest version that verifies and hold a lease (``in_use/<owner>.json``) so
-retention never deletes what they still use.
+retention never deletes what they still use; leases and retention live in
+realm_jax.index_retention and are re-exported here.
 """
 
 from __future__ import annotations
@@ -28,12 +29,8 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
 SCANN_DIR = "scann"
-LEASE_DIR = "in_use"
 WRITER = ".writer"  # {"host", "pid"} of the writer, first file in a temp dir (kept after)
-TMP_MAX_AGE_S = 3600.0  # a temp dir with no activity for this long is abandoned on any host
 _VERSION_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.tmp-step_(\d+)-(\d+)-[0-9a-f]+")
-_OWNER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _CORE_KEYS = ("format", "step", "num_blocks", "dim", "sha256", "created", "scann")
 _CHUNK = 1 << 22
 
@@ -369,6 +366,8 @@ def publish_index(
                 shutil.rmtree(tmp, ignore_errors=True)
         _fsync_dir(index_dir)
     if keep is not None:
+        from realm_jax.index_retention import cleanup  # lazy: retention imports this module
+
         cleanup(index_dir, keep)
     return final
 
@@ -390,122 +389,24 @@ def _install(tmp: str, final: str) -> None:
     raise OSError(f"could not install {tmp} as {final}")
 
 
-def _lease_path(index_dir: str, owner: str) -> str:
-    if not _OWNER_RE.match(owner):
-        raise ValueError(f"lease owner must match {_OWNER_RE.pattern}, got {owner!r}")
-    return os.path.join(index_dir, LEASE_DIR, f"{owner}.json")
+_RETENTION_NAMES = (
+    "cleanup",
+    "leased_steps",
+    "mark_in_use",
+    "release",
+    "LEASE_DIR",
+    "TMP_MAX_AGE_S",
+)
 
 
-def mark_in_use(index_dir: str, step: int, owner: str) -> None:
-    """Record (atomically) that `owner` uses version `step`; replaces owner's previous lease."""
-    path = _lease_path(index_dir, owner)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _write_json_atomic(path, {"step": int(step), "time": time.time()})
+def __getattr__(name: str):
+    """Re-export the lease/retention API (realm_jax.index_retention) as index.<name>.
 
-
-def release(index_dir: str, owner: str) -> None:
-    """Drop `owner`'s lease (no error if it has none)."""
-    try:
-        os.remove(_lease_path(index_dir, owner))
-    except FileNotFoundError:
-        pass
-
-
-def leased_steps(index_dir: str, *, max_age: float | None = None) -> set[int]:
-    """Steps named by leases (leases older than `max_age` seconds ignored when given).
-
-    Raises ValueError on an unreadable lease so retention errs on the side of keeping.
+    Resolved on first use rather than imported at the top, because index_retention builds on
+    this module's helpers; either module can be imported first without an import cycle.
     """
-    ldir = os.path.join(index_dir, LEASE_DIR)
-    steps: set[int] = set()
-    for name in os.listdir(ldir) if os.path.isdir(ldir) else []:
-        if not name.endswith(".json") or name.startswith("."):
-            continue
-        try:
-            with open(os.path.join(ldir, name)) as f:
-                lease = json.load(f)
-            step, stamp = int(lease["step"]), float(lease["time"])
-        except FileNotFoundError:
-            continue  # released meanwhile
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"unreadable lease {os.path.join(ldir, name)}: {e}") from e
-        if max_age is None or time.time() - stamp <= max_age:
-            steps.add(step)
-    return steps
+    if name in _RETENTION_NAMES:
+        from realm_jax import index_retention
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        pass
-    return True
-
-
-def _last_activity(path: str) -> float:
-    """Newest mtime of a directory and its direct children (a writer touches them)."""
-    times = [os.stat(path).st_mtime]
-    for entry in os.scandir(path):
-        try:
-            times.append(entry.stat(follow_symlinks=False).st_mtime)
-        except FileNotFoundError:
-            pass
-    return max(times)
-
-
-def _tmp_abandoned(path: str, pid: int, now: float) -> bool:
-    """A temp dir is abandoned if idle for an hour, or its writer on this host is dead.
-
-    The writer's host is read from its .writer file; without one (a crash between mkdir and
-    writing it) the pid is trusted as local only after a minute idle.
-    """
-    try:
-        idle = now - _last_activity(path)
-    except FileNotFoundError:
-        return False
-    if idle > TMP_MAX_AGE_S:
-        return True
-    try:
-        with open(os.path.join(path, WRITER)) as f:
-            host = json.load(f).get("host")
-    except (OSError, ValueError, AttributeError):
-        host = socket.gethostname() if idle > 60 else None
-    return host == socket.gethostname() and not _pid_alive(pid)
-
-
-def cleanup(index_dir: str, keep: int, *, lease_max_age: float | None = None) -> list[str]:
-    """Retention: keep the newest `keep` sound versions plus every leased one; drop the rest.
-
-    Also removes abandoned `.tmp-*` dirs. Versions failing the cheap verify (no hashing) do
-    not count toward `keep`. An unreadable lease makes this skip version removal entirely.
-    Returns the removed paths.
-    """
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    removed: list[str] = []
-    if not os.path.isdir(index_dir):
-        return removed
-    now = time.time()
-    for name in sorted(os.listdir(index_dir)):
-        m = _TMP_RE.match(name)
-        path = os.path.join(index_dir, name)
-        if m and os.path.isdir(path) and _tmp_abandoned(path, int(m.group(2)), now):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    try:
-        leased = leased_steps(index_dir, max_age=lease_max_age)
-    except ValueError as e:
-        log.warning("not removing index versions: %s", e)
-        return removed
-    kept = 0
-    for step in reversed(list_versions(index_dir)):
-        path = os.path.join(index_dir, version_name(step))
-        if kept < keep and _is_valid(path, checksum=False):
-            kept += 1
-        elif step not in leased:
-            _discard(path)
-            _verified.pop(path, None)
-            removed.append(path)
-    return removed
+        return getattr(index_retention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,6 +58,7 @@ class _Stop:
         self.signum = None
 
     def install(self) -> None:
+        self.previous = {}
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -66,7 +67,11 @@ class _Stop:
             self.event.set()
 
         for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, handler)
+            self.previous[s] = signal.signal(s, handler)
+
+    def uninstall(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
 
     def any_process(self) -> bool:
         flag = self.event.is_set()
@@ -75,8 +80,8 @@ class _Stop:
         return flag
 
 
-def train(config, workdir: str, stop_event: threading.Event | None = None) -> dict[str, float]:
-    """Pre-train REALM; resumable. Returns the last logged metrics."""
+def train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
+    """Pre-train REALM; resumable. Returns the metrics logged by this run (one dict per log)."""
     from realm_jax.data import pipeline, prepare
 
     os.makedirs(workdir, exist_ok=True)
@@ -115,14 +120,14 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> di
     return _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, _Stop(stop_event))
 
 
-def _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, stop) -> dict[str, float]:
+def _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, stop) -> list[dict]:
     from realm_jax.data import pipeline
 
     tc = config.train
     writer = MetricWriter(os.path.join(workdir, "tb"))
     progress = Progress(tc.steps, start)
     stop.install()
-    last: dict[str, float] = {}
+    history: list[dict] = []
     step = start
     swap_seconds = None
     try:
@@ -135,11 +140,12 @@ def _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, stop) -> 
             step += 1
             if step % tc.log_every == 0 or step == tc.steps:
                 last = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                last["index_step"] = feed.step
+                last["index_step"], last["step"] = feed.step, step
                 if swap_seconds is not None:
                     last["index_swap_seconds"], swap_seconds = swap_seconds, None
                 prog = progress.update(step)
                 writer.scalars(step, {**last, **prog})
+                history.append(last)
                 if jax.process_index() == 0:
                     print(line(step, tc.steps, last, prog), flush=True)
             if step % tc.checkpoint_every == 0 or step == tc.steps:
@@ -152,5 +158,6 @@ def _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, stop) -> 
     finally:
         mgr.wait_until_finished()
         writer.close()
-    return last
+        stop.uninstall()
+    return history
 

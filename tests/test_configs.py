@@ -1,0 +1,207 @@
+"""Every shipped config variant and sweep point loads; overrides are typed and checked; the CLI
+rejects a misspelt key before JAX starts."""
+
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from realm_jax import sweep
+from realm_jax.config_lib import ConfigError, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "realm.py")
+VARIANTS = ("smoke", "small", "base")
+COMMANDS = ("prepare", "train", "refresh", "local", "finetune", "evaluate", "ask")
+
+
+def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append(prefix + key)
+    return out
+
+
+def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "realm_jax", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_loads_and_is_locked(variant):
+    config = load_config(f"{CONFIG}:{variant}")
+    assert config.variant == variant
+    assert config.model.hidden_size % config.model.num_heads == 0
+    with pytest.raises(AttributeError):
+        config.train.lrr = 1.0  # a misspelt field must not be silently added
+    with pytest.raises(AttributeError):
+        config.new_section = 1
+    assert "lrr" not in config.train
+
+
+def test_default_variant_is_smoke():
+    assert load_config(CONFIG).variant == "smoke"
+
+
+def test_unknown_variant_is_rejected():
+    with pytest.raises(ValueError, match="tiny"):
+        load_config(f"{CONFIG}:tiny")
+
+
+def _commented_assignments() -> tuple[set[str], list[str]]:
+    """(fields assigned in configs/realm.py as 'section.field', lines lacking a # comment)."""
+    pattern = re.compile(r"^\s*(?:c\.(\w+)\.(\w+)|m\.(\w+)|c\.(variant))\s*=[^=]")
+    fields, uncommented = set(), []
+    with open(CONFIG) as f:
+        for lineno, line in enumerate(f, 1):
+            m = pattern.match(line)
+            if not m:
+                continue
+            section, field, model_field, top = m.groups()
+            fields.add(
+                f"{section}.{field}" if section else f"model.{model_field}" if model_field else top
+            )
+            if "#" not in line:
+                uncommented.append(f"configs/realm.py:{lineno}: {line.strip()}")
+    return fields, uncommented
+
+
+def test_every_field_has_a_comment():
+    fields, uncommented = _commented_assignments()
+    assert not uncommented, "config fields without a comment:\n" + "\n".join(uncommented)
+    for variant in VARIANTS:
+        leaves = _leaves(load_config(f"{CONFIG}:{variant}"))
+        missing = sorted(set(leaves) - fields)
+        assert not missing, f"{variant}: fields not assigned on a commented line: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        ("train.steps=123", "train.steps", 123),  # int
+        ("train.lr=2e-4", "train.lr", 2e-4),  # float
+        ("train.lr=1", "train.lr", 1.0),  # an int literal for a float field
+        ("train.preemption_save=false", "train.preemption_save", False),  # bool
+        ("refresh.build_scann=True", "refresh.build_scann", True),
+        ("data.masking=random", "data.masking", "random"),  # str
+        ("mesh.shape=(2, 4)", "mesh.shape", (2, 4)),  # tuple
+        ("mesh.shape=(8,)", "mesh.shape", (8,)),
+        ("--config.model.dtype=bfloat16", "model.dtype", "bfloat16"),  # CLI spelling
+    ],
+)
+def test_override_types(override, key, expected):
+    config = load_config(f"{CONFIG}:smoke", [override])
+    section, field = key.split(".")
+    value = config[section][field]
+    assert value == expected and type(value) is type(expected)
+
+
+def test_unknown_key_is_rejected_by_name():
+    with pytest.raises(ConfigError, match=r"train\.lrr") as err:
+        load_config(f"{CONFIG}:smoke", ["train.lrr=1e-4"])
+    assert "train.lr" in str(err.value).replace("train.lrr", "")  # the suggestion
+    with pytest.raises(ConfigError, match=r"nosuch\.field"):
+        load_config(f"{CONFIG}:smoke", ["nosuch.field=1"])
+    with pytest.raises(ConfigError, match="section"):
+        load_config(f"{CONFIG}:smoke", ["train=1"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.steps=abc",
+        "train.steps=1.5",
+        "train.lr=fast",
+        "train.preemption_save=maybe",
+        "mesh.shape=(2,",
+        "train.lr",
+    ],
+)
+def test_wrong_type_is_rejected(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        load_config(f"{CONFIG}:smoke", [override])
+
+
+def test_every_sweep_point_validates():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("realm_config_for_test", CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    raw = module.sweep()
+    for variant in VARIANTS:
+        points = sweep.sweep_points(f"{CONFIG}:{variant}")
+        assert len(points) == len(raw)
+        assert len({name for name, _ in points}) == len(points)
+        for (name, overrides), point in zip(points, raw, strict=True):
+            assert all(o.startswith("--config.") for o in overrides)
+            config = load_config(f"{CONFIG}:{variant}", overrides)
+            for key, value in point.items():
+                section, field = key.split(".")
+                assert config[section][field] == value, (name, key)
+                assert f"{field}={value}" in name
+
+
+def test_sweep_names_and_cli(capsys):
+    points = sweep.sweep_points(CONFIG)  # default variant: small
+    assert points[0] == (
+        "lr=5e-05,num_candidates=4",
+        ["--config.train.lr=5e-05", "--config.train.num_candidates=4"],
+    )
+    assert sweep.main([CONFIG]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines[0] == "lr=5e-05,num_candidates=4\t--config.train.lr=5e-05 "
+        "--config.train.num_candidates=4"
+    )
+    assert len(lines) == len(points)
+
+
+def test_bad_sweeps_fail_before_launch(tmp_path):
+    base = (
+        "def get_config(arg=None):\n    import ml_collections\n"
+        "    c = ml_collections.ConfigDict()\n    c.train = ml_collections.ConfigDict()\n"
+        "    c.train.lr = 0.1  # lr\n    c.train.shape = (1, 2)  # shape\n    return c\n"
+    )
+    no_sweep = tmp_path / "no_sweep.py"
+    no_sweep.write_text(base)
+    with pytest.raises(ConfigError, match="sweep"):
+        sweep.sweep_points(str(no_sweep))
+    typo = tmp_path / "typo.py"
+    typo.write_text(base + "def sweep():\n    return [{'train.lr': 1.0}, {'train.lrr': 2.0}]\n")
+    with pytest.raises(ConfigError, match=r"train\.lrr"):
+        sweep.sweep_points(str(typo))
+    wrong_type = tmp_path / "wrong_type.py"
+    wrong_type.write_text(base + "def sweep():\n    return [{'train.lr': 'fast'}]\n")
+    with pytest.raises(ConfigError, match="train.lr"):
+        sweep.sweep_points(str(wrong_type))
+    tuples = tmp_path / "tuples.py"
+    tuples.write_text(base + "def sweep():\n    return [{'train.shape': (4, 8)}]\n")
+    assert sweep.sweep_points(str(tuples)) == [("shape=(4,8)", ["--config.train.shape=(4,8)"])]
+
+
+def test_cli_help_lists_every_command():
+    result = _run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for command in COMMANDS:
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.M), (command, result.stdout)
+
+
+def test_cli_rejects_unknown_override_before_work(tmp_path):
+    result = _run_cli("train", "--workdir", str(tmp_path / "run"), "--config.train.lrr=1")
+    assert result.returncode != 0
+    assert "train.lrr" in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started

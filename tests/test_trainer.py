@@ -1,0 +1,153 @@
+"""End-to-end training on a slice of the bundled sample: resume after SIGKILL, index refresh."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax import checkpoint, index, sharding, train_step, trainer
+from realm_jax.config_lib import load_config
+from realm_jax.data import prepare
+from realm_jax.models import RealmModel
+from realm_jax.refresh import IndexFeed, Refresher, index_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDES = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+    "model.intermediate_size=64", "model.max_position_embeddings=128", "data.block_len=64",
+    "data.query_len=32", "data.max_predictions=5", "data.masking=random", "train.batch_size=8",
+    "train.num_candidates=4", "train.steps=12", "train.warmup_steps=2", "train.lr=1e-3",
+    "train.log_every=1", "train.checkpoint_every=4", "refresh.mode=inprocess", "refresh.every=4",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """60 real passages of the bundled sample, prepared with random masking."""
+    root = tmp_path_factory.mktemp("corpus")
+    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
+        lines = f.readlines()[:60]
+    (root / "corpus.jsonl").write_text("".join(lines))
+    ddir = str(root / "prepared")
+    prepare.prepare(config(f"data.corpus={root / 'corpus.jsonl'}"), ddir)
+    return ddir
+
+
+def config(*extra):
+    return load_config(os.path.join(REPO, "configs", "realm.py") + ":smoke", OVERRIDES + list(extra))
+
+
+def _losses(history):
+    return {h["step"]: h["loss"] for h in history}
+
+
+def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
+    cfg = config(f"data.data_dir={data_dir}")
+    full = _losses(trainer.train(cfg, str(tmp_path / "full")))
+    assert sorted(full) == list(range(1, 13))
+
+    killed = str(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "realm_jax", "train", "--config",
+           os.path.join(REPO, "configs", "realm.py") + ":smoke", "--workdir", killed,
+           *[f"--config.{o}" for o in OVERRIDES], f"--config.data.data_dir={data_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    mgr = checkpoint.manager(killed, with_data=False, read_only=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(checkpoint.checkpoint_dir(killed)):
+            mgr.reload()
+            if any(s >= 4 for s in mgr.all_steps()):
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = _losses(trainer.train(cfg, killed))
+    first = min(resumed)
+    assert 4 < first <= 12, f"the resumed run started at step {first}"
+    for step, loss in resumed.items():
+        np.testing.assert_allclose(loss, full[step], rtol=1e-5, err_msg=f"step {step}")
+
+
+class _SlowSearcher:
+    """Stands in for a ScaNN searcher whose serialisation hangs (to kill a publish mid-write)."""
+
+    def serialize(self, directory):
+        with open(os.path.join(directory, "partial.bin"), "wb") as f:
+            f.write(b"x" * 1000)
+            f.flush()
+            time.sleep(600)
+
+
+def _publish_and_hang(idx_dir, n, d):  # runs in a child process
+    index.publish_index(idx_dir, 9, np.ones((n, d), np.float32), searcher=_SlowSearcher())
+
+
+def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
+    cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
+    workdir = str(tmp_path)
+    tokens = prepare.load_blocks(data_dir)[0]
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, _, state0, shardings = train_step.create_state(cfg, mesh, jax.random.key(0))
+    _, _, state1, _ = train_step.create_state(cfg, mesh, jax.random.key(1))
+    mgr = checkpoint.manager(workdir, with_data=False)
+    checkpoint.save(mgr, 0, state0)
+    mgr.wait_until_finished()
+
+    refresher = Refresher(cfg, workdir, tokens)
+    assert refresher.run(max_versions=1) == 1
+    feed = IndexFeed(cfg, workdir, mesh, model, tokens)
+    feed.start(state0.params, 0)
+    assert feed.step == 0
+    queries = np.asarray(model.apply({"params": state0.params}, jax.numpy.asarray(tokens[:8, :32]),
+                                     np.zeros((8, 32), np.int32), (tokens[:8, :32] != 0),
+                                     method=RealmModel.embed_query))
+
+    def top_ids():
+        emb = np.asarray(jax.device_get(feed.emb))[: len(tokens)]
+        return np.argsort(-(queries @ emb.T), axis=1)[:, :3], emb
+
+    ids0, emb0 = top_ids()
+    # Direct embedding of the blocks with the checkpoint's document embedder (reference).
+    want0 = np.asarray(jax.jit(lambda p, t: model.apply(
+        {"params": p}, t, train_step.block_segments(t), (t != 0).astype(np.int32),
+        method=RealmModel.embed_doc))(state0.params, tokens))
+    np.testing.assert_allclose(emb0, want0, atol=2e-5)
+
+    checkpoint.save(mgr, 5, state1)  # new document embedder parameters
+    mgr.wait_until_finished()
+    assert refresher.run(max_versions=1) == 1
+    assert feed.maybe_refresh(state1.params, 5) and feed.step == 5
+    ids1, emb1 = top_ids()
+    want1 = np.asarray(jax.jit(lambda p, t: model.apply(
+        {"params": p}, t, train_step.block_segments(t), (t != 0).astype(np.int32),
+        method=RealmModel.embed_doc))(state1.params, tokens))
+    np.testing.assert_allclose(emb1, want1, atol=2e-5)
+    assert not np.array_equal(ids0, ids1)  # retrieval follows the new index
+
+    # A refresher killed mid-write: the trainer stays on version 5.
+    import multiprocessing as mp
+
+    child = mp.get_context("spawn").Process(
+        target=_publish_and_hang, args=(index_dir(workdir), len(tokens), 128))
+    child.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(
+            n.startswith(".tmp") and os.path.exists(os.path.join(index_dir(workdir), n, "scann"))
+            for n in os.listdir(index_dir(workdir))):
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert not feed.maybe_refresh(state1.params, 10) and feed.step == 5
+    assert index.list_versions(index_dir(workdir)) == [0, 5]
+    # Staleness past the bound is warned about.
+    with caplog.at_level("WARNING"):
+        feed.maybe_refresh(state1.params, 5 + cfg.refresh.max_staleness + 1)
+    assert "exceeds refresh.max_staleness" in caplog.text
+    manifest = json.load(open(os.path.join(index_dir(workdir), "step_00000005", "manifest.json")))
+    assert manifest["num_blocks"] == len(tokens) and manifest["step"] == 5

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Run a config file's sweep() on a TPU VM pod, one point after another.
+#
+# usage: tpu/sweep.sh [--dry-run] [--prepare] NAME ZONE WORKDIR_PREFIX CONFIG_FILE[:VARIANT] [--config.k=v ...]
+#   NAME ZONE        the TPU VM (tpu/create.sh, tpu/setup.sh)
+#   WORKDIR_PREFIX   shared-filesystem folder; point P runs in WORKDIR_PREFIX/P
+#   CONFIG_FILE      config with a sweep() function, relative to the repo root, e.g.
+#                    configs/realm.py (validated against the small variant unless named)
+#   --config.k=v     extra overrides applied to every point (before the point's own)
+#   --prepare        prepare the data in each point's WORKDIR before training it
+#   --dry-run        print the tpu/launch.sh command of every point instead of running them
+# The points come from `python -m realm_jax.sweep CONFIG_FILE[:VARIANT]` (run locally with this
+# repo's .venv or python3), which applies every point to the config first, so a misspelt key
+# fails here and not an hour into the sweep. Each point is started with
+# `tpu/launch.sh --wait --run P`, i.e. the next starts when the previous trainers exit.
+# Points whose WORKDIR_PREFIX/P/DONE exists (written after a successful run) are skipped, so
+# a sweep can be re-run after a failure. Set LAUNCH_FLAGS (e.g. "--no-refresh") for launch.sh.
+set -euo pipefail
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
+die() { echo "tpu/sweep.sh: error: $*" >&2; echo "run tpu/sweep.sh --help for usage" >&2; exit 2; }
+
+dry_run=0 prepare=() pos=() extra=()
+while (( $# )); do
+  case "$1" in
+    -h|--help) usage ;;
+    --dry-run) dry_run=1 ;;
+    --prepare) prepare=(--prepare) ;;
+    --config.*=*) extra+=("$1") ;;
+    -*) die "unknown option $1" ;;
+    *) pos+=("$1") ;;
+  esac
+  shift
+done
+(( ${#pos[@]} == 4 )) || die "expected NAME ZONE WORKDIR_PREFIX CONFIG_FILE, got ${#pos[@]} argument(s)"
+name=${pos[0]} zone=${pos[1]} prefix=${pos[2]%/} config=${pos[3]}
+[[ "$prefix" == /* ]] || die "WORKDIR_PREFIX must be an absolute path on a shared filesystem"
+repo_root=$(cd "$(dirname "$0")/.." && pwd)
+config_file=${config%%:*}
+[[ "$config_file" != /* ]] || die "CONFIG_FILE must be relative to the repo root (as on the workers)"
+[[ -f "$repo_root/$config_file" ]] || die "config file not found: $repo_root/$config_file"
+python=${PYTHON:-}
+if [[ -z "$python" ]]; then
+  if [[ -x "$repo_root/.venv/bin/python" ]]; then python=$repo_root/.venv/bin/python; else python=python3; fi
+fi
+read -r -a launch_flags <<< "${LAUNCH_FLAGS:-}"
+
+# NAME<TAB>--config.a=b --config.c=d, one line per point (fails on a bad point).
+points=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" \
+  "$python" -m realm_jax.sweep "$config") || die "the sweep in $config does not validate"
+[[ -n "$points" ]] || die "the sweep in $config has no points"
+variant_spec=$config
+[[ "$config" == *:* ]] || variant_spec="$config:small"  # realm_jax.sweep's default variant
+if (( ${#extra[@]} )); then  # the common overrides must apply too
+  (cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
+import sys
+from realm_jax.config_lib import ConfigError, load_config
+try:
+    load_config(sys.argv[1], [o.removeprefix("--config.") for o in sys.argv[2:]])
+except ConfigError as e:
+    sys.exit(f"tpu/sweep.sh: {e}")' "$variant_spec" "${extra[@]}") || die "bad --config override"
+fi
+
+n=$(wc -l <<< "$points") i=0 failed=()
+while IFS=$'\t' read -r point overrides_line; do
+  i=$((i + 1))
+  read -r -a overrides <<< "$overrides_line"
+  workdir="$prefix/$point"
+  cmd=("$repo_root/tpu/launch.sh" --wait --run "$point" "${prepare[@]}" "${launch_flags[@]}"
+       "$name" "$zone" "$workdir" "$variant_spec" "${extra[@]}" "${overrides[@]}")
+  if (( dry_run )); then
+    printf '%q ' "${cmd[@]}"; echo
+    continue
+  fi
+  echo "=== sweep point $i/$n: $point"
+  if [[ -e "$workdir/DONE" ]]; then
+    echo "skipping $point: $workdir/DONE exists"
+    continue
+  fi
+  if "${cmd[@]}" </dev/null; then
+    # Mark the point done, if the shared filesystem is mounted here too.
+    if [[ -d "$workdir" ]]; then date -u +%FT%TZ > "$workdir/DONE"; fi
+  else
+    echo "sweep point $point failed; continuing with the next" >&2
+    failed+=("$point")
+  fi
+done <<< "$points"
+if (( ${#failed[@]} )); then
+  echo "failed points: ${failed[*]}" >&2
+  exit 1
+fi
