@@ -22,7 +22,7 @@ OVERRIDES = [
     "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
     "model.intermediate_size=64", "model.max_position_embeddings=128", "data.block_len=64",
     "data.query_len=32", "data.max_predictions=5", "data.masking=random", "train.batch_size=8",
-    "train.num_candidates=4", "train.steps=12", "train.warmup_steps=2", "train.lr=1e-3",
+    "train.num_candidates=4", "train.steps=24", "train.warmup_steps=2", "train.lr=1e-3",
     "train.log_every=1", "train.checkpoint_every=4", "refresh.mode=inprocess", "refresh.every=4",
 ]
 
@@ -50,7 +50,7 @@ def _losses(history):
 def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     cfg = config(f"data.data_dir={data_dir}")
     full = _losses(trainer.train(cfg, str(tmp_path / "full")))
-    assert sorted(full) == list(range(1, 13))
+    assert sorted(full) == list(range(1, 25))
 
     killed = str(tmp_path / "killed")
     cmd = [sys.executable, "-m", "realm_jax", "train", "--config",
@@ -69,7 +69,7 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     proc.wait()
     resumed = _losses(trainer.train(cfg, killed))
     first = min(resumed)
-    assert 4 < first <= 12, f"the resumed run started at step {first}"
+    assert 4 < first <= 24, f"the resumed run started at step {first}"
     for step, loss in resumed.items():
         np.testing.assert_allclose(loss, full[step], rtol=1e-5, err_msg=f"step {step}")
 
