@@ -33,19 +33,26 @@ def scann_params(
     leaves_to_search: int = -1,
     reorder: int = 100,
     brute_force: bool | None = None,
+    tree: bool = True,
 ) -> dict:
     """ScaNN parameters for a corpus of `num_blocks`; -1 (or 0) picks the size-based default.
 
-    Returns {"brute_force", "num_leaves", "leaves_to_search", "reorder"} (leaves are 0 on the
-    brute-force path); passing that dict back in returns it unchanged, so
+    Returns {"brute_force", "tree", "num_leaves", "leaves_to_search", "reorder"} (leaves are 0
+    on the brute-force and no-tree paths); passing that dict back in returns it unchanged, so
     build_searcher(emb, **scann_params(n)) works. `brute_force` None decides by size.
+    `tree=False` skips the k-means partition (asymmetric hashing + exact re-scoring over every
+    block): for mid-size or poorly clustered corpora, where a partition loses recall.
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if brute_force is None:
         brute_force = num_blocks < BRUTE_FORCE_BELOW and num_leaves <= 0
     if brute_force:
-        return {"brute_force": True, "num_leaves": 0, "leaves_to_search": 0, "reorder": reorder}
+        return {"brute_force": True, "tree": False, "num_leaves": 0, "leaves_to_search": 0,
+                "reorder": reorder}
+    if not tree:
+        return {"brute_force": False, "tree": False, "num_leaves": 0, "leaves_to_search": 0,
+                "reorder": reorder}
     if num_leaves <= 0:
         most = max(2, num_blocks // MIN_POINTS_PER_LEAF)
         num_leaves = int(min(max(round(math.sqrt(num_blocks)), 2), most))
@@ -54,6 +61,7 @@ def scann_params(
     leaves_to_search = min(leaves_to_search, num_leaves)
     return {
         "brute_force": False,
+        "tree": True,
         "num_leaves": num_leaves,
         "leaves_to_search": leaves_to_search,
         "reorder": reorder,
@@ -81,11 +89,12 @@ def build_searcher(embeddings: np.ndarray, k: int = 10, **params: int) -> Any:
     if p["brute_force"]:
         return builder.score_brute_force().build()
     training_sample = min(db.shape[0], 250_000)
-    builder = builder.tree(
-        num_leaves=p["num_leaves"],
-        num_leaves_to_search=p["leaves_to_search"],
-        training_sample_size=training_sample,
-    )
+    if p["tree"]:
+        builder = builder.tree(
+            num_leaves=p["num_leaves"],
+            num_leaves_to_search=p["leaves_to_search"],
+            training_sample_size=training_sample,
+        )
     builder = builder.score_ah(
         AH_DIMS_PER_BLOCK,
         anisotropic_quantization_threshold=AH_THRESHOLD,

@@ -85,6 +85,10 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
     Returns (model, optimizer, state, state_shardings).
     """
     mcfg = ModelConfig.from_config(config.model)
+    if joint_len(config) > mcfg.max_position_embeddings:
+        raise ValueError(
+            f"reader input length data.query_len + data.block_len - 1 = {joint_len(config)} "
+            f"exceeds model.max_position_embeddings = {mcfg.max_position_embeddings}")
     model = RealmModel(mcfg)
     optimizer = make_optimizer(config.train)
     d = config.data

@@ -126,8 +126,10 @@ def _bert(t: _Tensors, fields: dict, pooler: bool) -> dict:
             "output": t.linear(f"{lp}output.dense"),
             "output_LayerNorm": t.layer_norm(f"{lp}output.LayerNorm"),
         }
-    if pooler:
+    if pooler and t.has(f"{p}pooler.dense.weight"):
         out["pooler"] = t.linear(f"{p}pooler.dense")
+    elif pooler:  # e.g. BertForMaskedLM stores no pooler: it keeps its fresh initialisation
+        log.info("%s: no pooler weights; the embedder's pooler stays freshly initialised", t.source)
     return out
 
 

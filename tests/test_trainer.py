@@ -151,3 +151,36 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     assert "exceeds refresh.max_staleness" in caplog.text
     manifest = json.load(open(os.path.join(index_dir(workdir), "step_00000005", "manifest.json")))
     assert manifest["num_blocks"] == len(tokens) and manifest["step"] == 5
+
+
+def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
+    """ScaNN (asymmetric hashing + re-scoring) vs exact search on the bundled sample's blocks,
+    embedded by an embedder warm-started from real BERT weights (../shared bert-tiny-mlm)."""
+    from realm_jax import scann_index
+    from realm_jax.data import pipeline
+    from tests.conftest import shared_path
+
+    bert = shared_path("models", "bert-tiny-mlm")
+    cfg = config(f"data.corpus={os.path.join(REPO, 'data', 'sample', 'corpus.jsonl')}",
+                 "data.block_len=128", "data.query_len=48", "model.max_position_embeddings=512",
+                 "model.hidden_size=128", "model.intermediate_size=512", "model.hidden_act=gelu",
+                 "model.num_layers=2",
+                 f"model.init_embedder_from={bert}")
+    ddir = str(tmp_path / "data")
+    prepare.prepare(cfg, ddir)
+    tokens = prepare.load_blocks(ddir)[0]
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0),
+                                                 trainer.params_hook(cfg))
+    _, tok = train_step.pad_index(None, tokens, mesh)
+    emb = train_step.embed_blocks_fn(model, mesh, 16)(state.params, sharding.put_rows(tok, mesh))
+    emb = np.asarray(jax.device_get(emb))[: len(tokens)]
+    batch = next(iter(pipeline.train_loader(cfg, ddir, global_batch_size=64, seed=0)))
+    q = np.asarray(model.apply({"params": state.params}, batch["query_ids"],
+                               np.zeros_like(batch["query_ids"]), batch["query_ids"] != 0,
+                               method=RealmModel.embed_query))
+    params = scann_index.scann_params(len(emb), reorder=100, brute_force=False, tree=False)
+    ids, _ = scann_index.search(scann_index.build_searcher(emb, k=10, **params), q, 10)
+    exact = np.argsort(-(q @ emb.T), axis=1)[:, :10]
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, exact)])
+    assert len(tokens) > 500 and recall >= 0.95, recall
