@@ -7,8 +7,13 @@ import os
 import platform
 import re
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
-HEADER = "# Benchmarks\n\nEvery figure here is written by a script in `bench/`; rerun it to refresh its section.\n"
+DOC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md"
+)
+HEADER = (
+    "# Benchmarks\n\nEvery figure here is written by a script in `bench/`; "
+    "rerun it to refresh its section.\n"
+)
 
 
 def machine() -> str:

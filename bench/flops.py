@@ -15,8 +15,9 @@ def encoder_flops(m, tokens: int, length: int) -> float:
 
 
 def embedder_flops(m, seqs: int, length: int) -> float:
-    return encoder_flops(m, seqs * length, length) + seqs * 2 * (m.hidden_size**2 +
-                                                                 m.hidden_size * m.proj_size)
+    return encoder_flops(m, seqs * length, length) + seqs * 2 * (
+        m.hidden_size**2 + m.hidden_size * m.proj_size
+    )
 
 
 def realm_step_flops(config, num_blocks: int) -> dict[str, float]:
@@ -28,8 +29,12 @@ def realm_step_flops(config, num_blocks: int) -> dict[str, float]:
         "query_embedder": 3 * embedder_flops(m, b, d.query_len),
         "doc_embedder": 3 * embedder_flops(m, b * (k - 1), d.block_len),
         "reader": 3 * encoder_flops(m, b * k * lj, lj),
-        "mlm_head": 3 * b * k * d.max_predictions * 2 * (m.hidden_size**2 +
-                                                         m.hidden_size * m.vocab_size),
+        "mlm_head": 3
+        * b
+        * k
+        * d.max_predictions
+        * 2
+        * (m.hidden_size**2 + m.hidden_size * m.vocab_size),
         "retrieval": 2.0 * b * num_blocks * m.proj_size,
     }
     parts["total"] = sum(parts.values())

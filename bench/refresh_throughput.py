@@ -34,18 +34,29 @@ from realm_jax.refresh import IndexFeed, Refresher  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--corpus", default=os.path.join(REPO, "..", "shared", "data", "squad",
-                                                     "corpus_train.jsonl"))
+    ap.add_argument(
+        "--corpus",
+        default=os.path.join(REPO, "..", "shared", "data", "squad", "corpus_train.jsonl"),
+    )
     ap.add_argument("--workdir", default=os.path.join(REPO, "runs", "bench", "refresh"))
     args = ap.parse_args()
     if not os.path.exists(args.corpus):
         sys.exit(f"corpus not found: {args.corpus}")
     data_dir = os.path.join(REPO, "runs", "bench", "squad_data")
-    config = load_config(os.path.join(REPO, "configs/realm.py:smoke"), [
-        f"data.corpus={os.path.abspath(args.corpus)}", "data.masking=random", "data.block_len=288",
-        "data.query_len=96", "model.max_position_embeddings=512", f"data.data_dir={data_dir}",
-        "refresh.mode=external",
-        "refresh.poll_seconds=0.2", "refresh.embed_batch_size=256"])
+    config = load_config(
+        os.path.join(REPO, "configs/realm.py:smoke"),
+        [
+            f"data.corpus={os.path.abspath(args.corpus)}",
+            "data.masking=random",
+            "data.block_len=288",
+            "data.query_len=96",
+            "model.max_position_embeddings=512",
+            f"data.data_dir={data_dir}",
+            "refresh.mode=external",
+            "refresh.poll_seconds=0.2",
+            "refresh.embed_batch_size=256",
+        ],
+    )
     prepare.prepare(config, data_dir)
     tokens = prepare.load_blocks(data_dir)[0]
     n = len(tokens)
@@ -88,8 +99,10 @@ def main() -> None:
                 feed.maybe_refresh(state.params, step)
             time.sleep(0.05)
         latencies.append(time.perf_counter() - t0)
-        print(f"checkpoint {step} -> trainer swap: {latencies[-1]:.2f}s "
-              f"(swap itself {feed.last_swap_seconds:.2f}s)")
+        print(
+            f"checkpoint {step} -> trainer swap: {latencies[-1]:.2f}s "
+            f"(swap itself {feed.last_swap_seconds:.2f}s)"
+        )
     stop.set()
     thread.join(timeout=60)
     body = (
@@ -108,7 +121,8 @@ def main() -> None:
         f"| of which the trainer's device swap | {feed.last_swap_seconds:.2f} s |\n\n"
         "The latency includes the refresher's poll interval (0.2 s here), the partial restore "
         "of the document embedder, embedding every block, building and serialising the ScaNN "
-        "searcher, the atomic publish, and the trainer's verification (SHA-256) and load.")
+        "searcher, the atomic publish, and the trainer's verification (SHA-256) and load."
+    )
     write_section("Index refresh", body)
 
 

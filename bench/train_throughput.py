@@ -49,14 +49,22 @@ def synthetic(config, rng):
     tokens[:, 8], tokens[:, -1] = 102, 102
     emb = rng.normal(size=(NUM_BLOCKS, config.model.proj_size)).astype(np.float32)
     q = np.zeros((t.batch_size, d.query_len), np.int32)
-    q[:, 0], q[:, 1:-1], q[:, -1] = 101, rng.integers(1000, 30000, (t.batch_size, d.query_len - 2)), 102
+    q[:, 0], q[:, 1:-1], q[:, -1] = (
+        101,
+        rng.integers(1000, 30000, (t.batch_size, d.query_len - 2)),
+        102,
+    )
     p = d.max_predictions
     pos = np.tile(np.arange(1, p + 1, dtype=np.int32), (t.batch_size, 1))
     tgt = np.take_along_axis(q, pos, 1)
     q[:, 1 : p + 1] = 103
-    batch = dict(query_ids=q, mlm_positions=pos, mlm_targets=tgt,
-                 mlm_weights=np.ones((t.batch_size, p), np.float32),
-                 block_id=np.full((t.batch_size,), -1, np.int32))
+    batch = dict(
+        query_ids=q,
+        mlm_positions=pos,
+        mlm_targets=tgt,
+        mlm_weights=np.ones((t.batch_size, p), np.float32),
+        block_id=np.full((t.batch_size,), -1, np.int32),
+    )
     return emb, tokens, batch
 
 
@@ -79,15 +87,23 @@ def measure(variant: str, overrides: list[str], steps: int) -> dict:
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t0) / steps
     flops = realm_step_flops(config, NUM_BLOCKS)
-    return {"variant": variant, "config": config, "step_s": step_s, "compile_s": compile_s,
-            "flops": flops, "achieved": flops["total"] / step_s}
+    return {
+        "variant": variant,
+        "config": config,
+        "step_s": step_s,
+        "compile_s": compile_s,
+        "flops": flops,
+        "achieved": flops["total"] / step_s,
+    }
 
 
 SIZES = {
     "smoke": ("smoke", []),
     # The "4-layer, 256-wide" size, at the smoke run's batch and lengths.
-    "small": ("small", ["train.batch_size=8", "train.num_candidates=4", "data.block_len=128",
-                        "data.query_len=48"]),
+    "small": (
+        "small",
+        ["train.batch_size=8", "train.num_candidates=4", "data.block_len=128", "data.query_len=48"],
+    ),
 }
 
 
@@ -111,7 +127,8 @@ def main() -> None:
             f"{c.train.num_candidates} | {c.data.query_len}/{c.data.block_len} | "
             f"{r['step_s'] * 1e3:.0f} | {c.train.batch_size / r['step_s']:.1f} | "
             f"{f['total'] / 1e9:.1f} | {r['achieved'] / 1e9:.1f} | {p / 1e9:.1f} | "
-            f"{100 * r['achieved'] / p:.0f}% | {r['compile_s']:.0f} |")
+            f"{100 * r['achieved'] / p:.0f}% | {r['compile_s']:.0f} |"
+        )
         print(rows[-1])
         print("  FLOP share:", {k: f"{v:.0%}" for k, v in share.items()})
     body = (
@@ -121,7 +138,8 @@ def main() -> None:
         "trained, retrieval scoring x1); peak = best float32 2048x2048 matmul in the same run.\n\n"
         "| size | layers x width | batch | K | Lq/Lb | ms/step | queries/s | GFLOP/step | "
         "GFLOP/s | matmul peak GFLOP/s | MFU | compile s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+    )
     write_section("Train step throughput", body)
 
 

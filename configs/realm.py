@@ -44,17 +44,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # ---------------------------------------------------------------- model
     if variant == "smoke":
-        c.model = _model(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256,
-                         max_position_embeddings=256, span_hidden_size=32, max_span_width=5)
+        c.model = _model(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            intermediate_size=256,
+            max_position_embeddings=256,
+            span_hidden_size=32,
+            max_span_width=5,
+        )
     elif variant == "small":
-        c.model = _model(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024,
-                         span_hidden_size=64)
+        c.model = _model(
+            hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024, span_hidden_size=64
+        )
     else:
         c.model = _model()
 
     # ---------------------------------------------------------------- data
     c.data = ml_collections.ConfigDict()
-    c.data.corpus = "data/sample/corpus.jsonl"  # raw knowledge corpus (jsonl, tsv or folder of .txt)
+    c.data.corpus = "data/sample/corpus.jsonl"  # raw corpus: .jsonl, .tsv or a .txt folder
     c.data.sentences = ""  # raw pre-training text; "" = the corpus itself
     c.data.data_dir = ""  # prepared TFDS datasets; "" = <workdir>/data
     c.data.block_len = 288 if variant != "smoke" else 128  # wordpieces per block incl. specials
@@ -111,7 +119,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 def sweep():
     """Learning-rate x candidates sweep for the small variant (override dicts)."""
     return [
-        {"train.lr": lr, "train.num_candidates": k}
-        for lr in (5e-5, 1e-4, 3e-4)
-        for k in (4, 8)
+        {"train.lr": lr, "train.num_candidates": k} for lr in (5e-5, 1e-4, 3e-4) for k in (4, 8)
     ]

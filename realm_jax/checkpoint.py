@@ -20,8 +20,11 @@ def manager(workdir: str, *, keep: int = 3, with_data: bool = True, read_only: b
     """A CheckpointManager over <workdir>/checkpoints with items 'state' (+ 'data_iter')."""
     items = ("state", "data_iter") if with_data else ("state",)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=not read_only, enable_async_checkpointing=not read_only,
-        read_only=read_only)
+        max_to_keep=keep,
+        create=not read_only,
+        enable_async_checkpointing=not read_only,
+        read_only=read_only,
+    )
     return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=items, options=options)
 
 
@@ -38,8 +41,9 @@ def save(mgr, step: int, state, data_save_args=None, *, force: bool = False) -> 
 
 def abstract_like(tree, shardings):
     """ShapeDtypeStructs carrying the target shardings (restore onto any mesh)."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                        shardings)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
 
 
 def restore(mgr, step: int, abstract_state, data_restore_args=None):
@@ -56,6 +60,12 @@ def restore_params_subtree(mgr, step: int, name: str, abstract_subtree):
     """Only params[name] (no optimizer state) from checkpoint `step`: a partial restore."""
     target = {"params": {name: abstract_subtree}}
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=restore_args, partial_restore=True)))
+    out = mgr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args, partial_restore=True
+            )
+        ),
+    )
     return out["state"]["params"][name]

@@ -26,29 +26,49 @@ def _parser() -> argparse.ArgumentParser:
     from realm_jax.config_lib import default_config_path
 
     p = argparse.ArgumentParser(
-        prog="realm-jax", description="REALM retrieval-augmented pre-training in JAX/Flax.",
-        epilog="Config overrides: --config.train.lr=1e-4 (any field of the config file).")
+        prog="realm-jax",
+        description="REALM retrieval-augmented pre-training in JAX/Flax.",
+        epilog="Config overrides: --config.train.lr=1e-4 (any field of the config file).",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         s = sub.add_parser(name, help=help_text, description=help_text)
-        s.add_argument("--config", default=f"{default_config_path()}:smoke",
-                       help="config file and variant, e.g. configs/realm.py:smoke")
-        s.add_argument("--workdir", required=True,
-                       help="run directory (data, checkpoints, index, tb)")
-        s.add_argument("--cpu_devices", type=int, default=0,
-                       help="fake this many CPU devices (testing sharding on one machine)")
+        s.add_argument(
+            "--config",
+            default=f"{default_config_path()}:smoke",
+            help="config file and variant, e.g. configs/realm.py:smoke",
+        )
+        s.add_argument(
+            "--workdir", required=True, help="run directory (data, checkpoints, index, tb)"
+        )
+        s.add_argument(
+            "--cpu_devices",
+            type=int,
+            default=0,
+            help="fake this many CPU devices (testing sharding on one machine)",
+        )
         s.add_argument("--coordinator", default="", help="multi-process: coordinator host:port")
         s.add_argument("--num_processes", type=int, default=1, help="multi-process: process count")
         s.add_argument("--process_id", type=int, default=0, help="multi-process: this process")
-        s.add_argument("--multihost", action="store_true",
-                       help="call jax.distributed.initialize() with auto-detection (TPU pods)")
+        s.add_argument(
+            "--multihost",
+            action="store_true",
+            help="call jax.distributed.initialize() with auto-detection (TPU pods)",
+        )
         s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
         if name == "prepare":
-            s.add_argument("--overwrite", action="store_true",
-                           help="replace a prepared dataset built from different input")
+            s.add_argument(
+                "--overwrite",
+                action="store_true",
+                help="replace a prepared dataset built from different input",
+            )
         if name == "refresh":
-            s.add_argument("--max_versions", type=int, default=None,
-                           help="exit after publishing this many index versions")
+            s.add_argument(
+                "--max_versions",
+                type=int,
+                default=None,
+                help="exit after publishing this many index versions",
+            )
         if name == "ask":
             s.add_argument("question", nargs="+", help="the question or masked sentence")
             s.add_argument("--top_k", type=int, default=5, help="blocks to show")
@@ -56,8 +76,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup(args) -> None:
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if args.cpu_devices:
@@ -88,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from realm_jax.config_lib import ConfigError, load_config
 
     try:
-        config = load_config(args.config, [o[len("--config."):] for o in overrides])
+        config = load_config(args.config, [o[len("--config.") :] for o in overrides])
     except ConfigError as e:
         parser.exit(2, f"realm-jax: config error: {e}\n")
     _setup(args)

@@ -40,7 +40,8 @@ def refresh(config, args) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())
     Refresher(config, args.workdir, _load_tokens(config, args.workdir)).run(
-        stop, max_versions=args.max_versions)
+        stop, max_versions=args.max_versions
+    )
     return 0
 
 
@@ -73,14 +74,20 @@ def local(config, args) -> int:
 
 
 def finetune(config, args) -> int:
-    print("realm-jax finetune: open-domain QA fine-tuning is not implemented yet "
-          "(planned after pre-training; see README 'Roadmap').", file=sys.stderr)
+    print(
+        "realm-jax finetune: open-domain QA fine-tuning is not implemented yet "
+        "(planned after pre-training; see README 'Roadmap').",
+        file=sys.stderr,
+    )
     return 3
 
 
 def evaluate(config, args) -> int:
-    print("realm-jax evaluate: exact-match evaluation is not implemented yet "
-          "(planned with fine-tuning; see README 'Roadmap').", file=sys.stderr)
+    print(
+        "realm-jax evaluate: exact-match evaluation is not implemented yet "
+        "(planned with fine-tuning; see README 'Roadmap').",
+        file=sys.stderr,
+    )
     return 3
 
 

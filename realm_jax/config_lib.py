@@ -36,7 +36,9 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     return path, (arg or None)
 
 
-def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+def load_config(
+    spec: str, overrides: list[str] | tuple[str, ...] = ()
+) -> ml_collections.ConfigDict:
     """Load a config from 'path.py[:variant]' and apply 'a.b=value' overrides."""
     path, arg = split_spec(spec)
     module = _load_module(path)
@@ -79,7 +81,9 @@ def _parse_value(raw: str, current, key: str):
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            raise ConfigError(f"--config.{key}: expected a tuple such as (2, 4), got {raw!r}") from None
+            raise ConfigError(
+                f"--config.{key}: expected a tuple such as (2, 4), got {raw!r}"
+            ) from None
         if not isinstance(value, (tuple, list)):
             value = (value,)
         return type(current)(value)

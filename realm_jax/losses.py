@@ -66,7 +66,9 @@ def _marginal_log_loss(logits: Array, is_correct: Array) -> Array:
 
 def correct_spans(starts: Array, ends: Array, gold_starts: Array, gold_ends: Array) -> Array:
     """starts/ends [S], gold [K, A] -> [K, S] True where a span equals some gold span."""
-    hit = (starts[None, None, :] == gold_starts[..., None]) & (ends[None, None, :] == gold_ends[..., None])
+    hit = (starts[None, None, :] == gold_starts[..., None]) & (
+        ends[None, None, :] == gold_ends[..., None]
+    )
     return hit.any(axis=1)
 
 

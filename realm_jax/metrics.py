@@ -61,10 +61,14 @@ class Progress:
 
 def line(step: int, total: int, values: dict[str, float], prog: dict[str, float]) -> str:
     keys = ("loss", "accuracy", "retrieval_utility", "retrieval_entropy", "staleness")
-    parts = [f"step {step}/{total}"] + [f"{k} {values[k]:.4f}" if k != "staleness"
-                                         else f"staleness {int(values[k])}"
-                                         for k in keys if k in values]
+    parts = [f"step {step}/{total}"] + [
+        f"{k} {values[k]:.4f}" if k != "staleness" else f"staleness {int(values[k])}"
+        for k in keys
+        if k in values
+    ]
     if prog:
-        parts += [f"{prog['steps_per_sec']:.2f} steps/s",
-                  f"ETA {format_seconds(prog['eta_seconds'])}"]
+        parts += [
+            f"{prog['steps_per_sec']:.2f} steps/s",
+            f"ETA {format_seconds(prog['eta_seconds'])}",
+        ]
     return " | ".join(parts)

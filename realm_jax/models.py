@@ -104,22 +104,34 @@ class Embeddings(nn.Module):
     def setup(self):
         c = self.cfg
         self.word_embeddings = nn.Embed(
-            c.vocab_size, c.hidden_size, embedding_init=_init(("vocab", "embed")),
-            name="word_embeddings")
+            c.vocab_size,
+            c.hidden_size,
+            embedding_init=_init(("vocab", "embed")),
+            name="word_embeddings",
+        )
         self.position_embeddings = self.param(
-            "position_embeddings", _init(("pos", "embed")), (c.max_position_embeddings, c.hidden_size))
+            "position_embeddings",
+            _init(("pos", "embed")),
+            (c.max_position_embeddings, c.hidden_size),
+        )
         self.token_type_embeddings = self.param(
-            "token_type_embeddings", _init(("type", "embed")), (c.type_vocab_size, c.hidden_size))
+            "token_type_embeddings", _init(("type", "embed")), (c.type_vocab_size, c.hidden_size)
+        )
         self.LayerNorm = layer_norm(c, "LayerNorm")
 
     def __call__(self, ids: Array, segment_ids: Array) -> Array:
         length = ids.shape[-1]
         if length > self.cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {length} > max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
+            raise ValueError(
+                f"sequence length {length} > max_position_embeddings "
+                f"{self.cfg.max_position_embeddings}"
+            )
         x = self.word_embeddings(ids)
-        x = x + jnp.asarray(self.position_embeddings)[:length] + jnp.asarray(
-            self.token_type_embeddings)[segment_ids]
+        x = (
+            x
+            + jnp.asarray(self.position_embeddings)[:length]
+            + jnp.asarray(self.token_type_embeddings)[segment_ids]
+        )
         return self.LayerNorm(x).astype(self.cfg.compute_dtype)
 
     def attend(self, h: Array) -> Array:
@@ -138,16 +150,25 @@ class SelfAttention(nn.Module):
 
         def proj(name):
             return nn.DenseGeneral(
-                (c.num_heads, head_dim), dtype=c.compute_dtype, name=name,
-                kernel_init=_init(("embed", "heads", "kv")), bias_init=_zeros(("heads", "kv")))(x)
+                (c.num_heads, head_dim),
+                dtype=c.compute_dtype,
+                name=name,
+                kernel_init=_init(("embed", "heads", "kv")),
+                bias_init=_zeros(("heads", "kv")),
+            )(x)
 
         q, k, v = proj("query"), proj("key"), proj("value")  # [B, L, heads, head_dim]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
         probs = jax.nn.softmax(scores + bias, axis=-1).astype(c.compute_dtype)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         return nn.DenseGeneral(
-            c.hidden_size, axis=(-2, -1), dtype=c.compute_dtype, name="output_dense",
-            kernel_init=_init(("heads", "kv", "embed")), bias_init=_zeros(("embed",)))(ctx)
+            c.hidden_size,
+            axis=(-2, -1),
+            dtype=c.compute_dtype,
+            name="output_dense",
+            kernel_init=_init(("heads", "kv", "embed")),
+            bias_init=_zeros(("embed",)),
+        )(ctx)
 
 
 class TransformerLayer(nn.Module):
@@ -273,8 +294,10 @@ class Reader(nn.Module):
 
     def __call__(self, ids, segment_ids, mask, positions, block_mask):
         """Both heads (used to initialise every reader parameter)."""
-        return (self.mlm_logits(ids, segment_ids, mask, positions),
-                self.span_logits(ids, segment_ids, mask, block_mask)[0])
+        return (
+            self.mlm_logits(ids, segment_ids, mask, positions),
+            self.span_logits(ids, segment_ids, mask, block_mask)[0],
+        )
 
 
 class RealmModel(nn.Module):

@@ -44,17 +44,27 @@ def build_searcher(config, embeddings: np.ndarray):
     from realm_jax import scann_index
 
     r = config.refresh
-    params = scann_index.scann_params(len(embeddings), num_leaves=r.scann_num_leaves,
-                                      leaves_to_search=r.scann_leaves_to_search,
-                                      reorder=r.scann_reorder)
+    params = scann_index.scann_params(
+        len(embeddings),
+        num_leaves=r.scann_num_leaves,
+        leaves_to_search=r.scann_leaves_to_search,
+        reorder=r.scann_reorder,
+    )
     return scann_index.build_searcher(embeddings, k=10, **params)
 
 
 class IndexFeed:
     """The trainer's document index on device: embeddings + tokens, row-sharded."""
 
-    def __init__(self, config, workdir: str, mesh, model: RealmModel, tokens: np.ndarray,
-                 owner: str = "trainer"):
+    def __init__(
+        self,
+        config,
+        workdir: str,
+        mesh,
+        model: RealmModel,
+        tokens: np.ndarray,
+        owner: str = "trainer",
+    ):
         self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
         if self.mode not in ("external", "inprocess"):
             raise ValueError(f"refresh.mode must be external or inprocess, got {self.mode!r}")
@@ -78,13 +88,17 @@ class IndexFeed:
         self.last_swap_seconds = time.time() - t0
         if jax.process_index() == 0:
             index.mark_in_use(self.dir, step, self.owner)
-        log.info("index: now using version %d (%s), swap took %.2fs", step, path,
-                 self.last_swap_seconds)
+        log.info(
+            "index: now using version %d (%s), swap took %.2fs", step, path, self.last_swap_seconds
+        )
 
     def _newest(self, newer_than: int):
-        return index.latest_valid(self.dir, newer_than=newer_than,
-                                  expected_num_blocks=self.num_blocks,
-                                  expected_dim=self.config.model.proj_size)
+        return index.latest_valid(
+            self.dir,
+            newer_than=newer_than,
+            expected_num_blocks=self.num_blocks,
+            expected_dim=self.config.model.proj_size,
+        )
 
     def start(self, params, step: int) -> None:
         """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
@@ -98,7 +112,8 @@ class IndexFeed:
                 raise TimeoutError(
                     f"no valid index in {self.dir} after {self.config.refresh.wait_seconds:.0f}s: "
                     "start the refresh job (`realm-jax refresh`), use `realm-jax local`, or set "
-                    "--config.refresh.mode=inprocess")
+                    "--config.refresh.mode=inprocess"
+                )
             log.info("waiting for the refresh job to publish an index in %s ...", self.dir)
             time.sleep(self.config.refresh.poll_seconds)
             found = self._newest(-1)
@@ -110,8 +125,12 @@ class IndexFeed:
         self.emb = self.embed(params, self.tokens)
         self.emb.block_until_ready()
         self.step, self.last_swap_seconds = step, time.time() - t0
-        log.info("index: re-embedded %d blocks in-process at step %d (%.2fs)", self.num_blocks,
-                 step, self.last_swap_seconds)
+        log.info(
+            "index: re-embedded %d blocks in-process at step %d (%.2fs)",
+            self.num_blocks,
+            step,
+            self.last_swap_seconds,
+        )
 
     def maybe_refresh(self, params, step: int) -> bool:
         """Called every refresh.every steps; True when the index changed."""
@@ -124,9 +143,12 @@ class IndexFeed:
             return True
         stale = step - self.step
         if stale > self.config.refresh.max_staleness and self._warned != self.step:
-            log.warning("index staleness %d steps exceeds refresh.max_staleness %d: is the "
-                        "refresh job running and keeping up?", stale,
-                        self.config.refresh.max_staleness)
+            log.warning(
+                "index staleness %d steps exceeds refresh.max_staleness %d: is the "
+                "refresh job running and keeping up?",
+                stale,
+                self.config.refresh.max_staleness,
+            )
             self._warned = self.step
         return False
 
@@ -169,13 +191,29 @@ class Refresher:
             return ""
         searcher = build_searcher(self.config, host) if self.config.refresh.build_scann else None
         path = index.publish_index(
-            self.dir, step, host, searcher=searcher, keep=self.config.refresh.keep,
-            extra={"source_checkpoint": os.path.join(checkpoint.checkpoint_dir(self.workdir),
-                                                     str(step)),
-                   "embed_seconds": t_embed, "restore_seconds": t_restore})
-        log.info("refresh: published index %d (%d blocks, restore %.2fs, embed %.2fs = %.0f "
-                 "blocks/s, total %.2fs)", step, self.num_blocks, t_restore, t_embed,
-                 self.num_blocks / max(t_embed, 1e-9), time.time() - t0)
+            self.dir,
+            step,
+            host,
+            searcher=searcher,
+            keep=self.config.refresh.keep,
+            extra={
+                "source_checkpoint": os.path.join(
+                    checkpoint.checkpoint_dir(self.workdir), str(step)
+                ),
+                "embed_seconds": t_embed,
+                "restore_seconds": t_restore,
+            },
+        )
+        log.info(
+            "refresh: published index %d (%d blocks, restore %.2fs, embed %.2fs = %.0f "
+            "blocks/s, total %.2fs)",
+            step,
+            self.num_blocks,
+            t_restore,
+            t_embed,
+            self.num_blocks / max(t_embed, 1e-9),
+            time.time() - t0,
+        )
         return path
 
     def run(self, stop: threading.Event | None = None, max_versions: int | None = None) -> int:
@@ -185,8 +223,11 @@ class Refresher:
         versions = index.list_versions(self.dir)
         last = versions[-1] if versions else -1
         done = 0
-        log.info("refresh: watching %s (last published index: %d)",
-                 checkpoint.checkpoint_dir(self.workdir), last)
+        log.info(
+            "refresh: watching %s (last published index: %d)",
+            checkpoint.checkpoint_dir(self.workdir),
+            last,
+        )
         while not stop.is_set() and (max_versions is None or done < max_versions):
             mgr.reload()
             steps = mgr.all_steps()

@@ -15,7 +15,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 NEG_INF = -1e30
 
@@ -52,8 +53,10 @@ def search_and_fetch(mesh: Mesh, query, emb, tokens, exclude, *, k: int, num_val
     axes = tuple(mesh.axis_names)
     n_local = emb.shape[0] // mesh.devices.size
     if k > n_local:
-        raise ValueError(f"top-{k} retrieval needs at least {k} rows per device; the index has "
-                         f"{n_local} per device: use fewer devices or fewer candidates")
+        raise ValueError(
+            f"top-{k} retrieval needs at least {k} rows per device; the index has "
+            f"{n_local} per device: use fewer devices or fewer candidates"
+        )
 
     def body(q, e, t, ex):
         vals, ids = _local_topk(q, e, ex, k=k, num_valid=num_valid, axes=axes)
@@ -64,7 +67,8 @@ def search_and_fetch(mesh: Mesh, query, emb, tokens, exclude, *, k: int, num_val
         return top_vals, top_ids, _gather_rows(t, top_ids, axes)
 
     fn = jax.shard_map(
-        body, mesh=mesh,
+        body,
+        mesh=mesh,
         in_specs=(P(), P(axes), P(axes), P()),
         out_specs=(P(), P(), P()),
         check_vma=False,

@@ -48,11 +48,21 @@ def scann_params(
     if brute_force is None:
         brute_force = num_blocks < BRUTE_FORCE_BELOW and num_leaves <= 0
     if brute_force:
-        return {"brute_force": True, "tree": False, "num_leaves": 0, "leaves_to_search": 0,
-                "reorder": reorder}
+        return {
+            "brute_force": True,
+            "tree": False,
+            "num_leaves": 0,
+            "leaves_to_search": 0,
+            "reorder": reorder,
+        }
     if not tree:
-        return {"brute_force": False, "tree": False, "num_leaves": 0, "leaves_to_search": 0,
-                "reorder": reorder}
+        return {
+            "brute_force": False,
+            "tree": False,
+            "num_leaves": 0,
+            "leaves_to_search": 0,
+            "reorder": reorder,
+        }
     if num_leaves <= 0:
         most = max(2, num_blocks // MIN_POINTS_PER_LEAF)
         num_leaves = int(min(max(round(math.sqrt(num_blocks)), 2), most))

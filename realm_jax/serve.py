@@ -27,8 +27,9 @@ def _query_params(config, workdir: str, mesh):
     inputs = init_inputs(cfg, d.query_len, d.block_len, joint_len(config))
     boxed = jax.eval_shape(lambda r: model.init(r, *inputs)["params"], jax.random.key(0))
     shard = sharding.logical_shardings(mesh, boxed)
-    abstract = checkpoint.abstract_like(nn.meta.unbox(boxed)["query_embedder"],
-                                        shard["query_embedder"])
+    abstract = checkpoint.abstract_like(
+        nn.meta.unbox(boxed)["query_embedder"], shard["query_embedder"]
+    )
     mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
     step = mgr.latest_step()
     if step is None:
@@ -48,8 +49,15 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
     model, params = _query_params(config, workdir, mesh)
     ids = encode_query(question, config.data.query_len)[None]
-    q = np.asarray(model.apply({"params": {"query_embedder": params}}, ids, np.zeros_like(ids),
-                               (ids != 0).astype(np.int32), method=RealmModel.embed_query))
+    q = np.asarray(
+        model.apply(
+            {"params": {"query_embedder": params}},
+            ids,
+            np.zeros_like(ids),
+            (ids != 0).astype(np.int32),
+            method=RealmModel.embed_query,
+        )
+    )
     scann_dir = os.path.join(path, "scann")
     if os.path.isdir(scann_dir):
         from realm_jax import scann_index

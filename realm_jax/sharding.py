@@ -11,7 +11,8 @@ import math
 import jax
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Weights: shard the big matrices over 'model' (vocab, mlp, heads); activations' batch on 'data'.
 LOGICAL_RULES = (
@@ -44,8 +45,9 @@ def resolve_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
             raise MeshError(f"mesh.shape {tuple(shape)} does not divide {num_devices} devices")
         shape[shape.index(-1)] = num_devices // known
     if math.prod(shape) != num_devices:
-        raise MeshError(f"mesh.shape {tuple(shape)} needs {math.prod(shape)} devices, "
-                        f"the job has {num_devices}")
+        raise MeshError(
+            f"mesh.shape {tuple(shape)} needs {math.prod(shape)} devices, the job has {num_devices}"
+        )
     return tuple(shape)
 
 
@@ -54,12 +56,15 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     devices = devices if devices is not None else jax.devices()
     axes = tuple(mesh_config.axes)
     if len(axes) != len(mesh_config.shape):
-        raise MeshError(f"mesh.axes {axes} and mesh.shape {tuple(mesh_config.shape)} differ in length")
+        raise MeshError(
+            f"mesh.axes {axes} and mesh.shape {tuple(mesh_config.shape)} differ in length"
+        )
     if "data" not in axes:
         raise MeshError(f"mesh.axes {axes} must include 'data'")
     shape = resolve_mesh_shape(mesh_config.shape, len(devices))
-    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
-                         devices=devices)
+    return jax.make_mesh(
+        shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes), devices=devices
+    )
 
 
 def data_size(mesh: Mesh) -> int:
@@ -69,11 +74,14 @@ def data_size(mesh: Mesh) -> int:
 def check_batch(batch_size: int, mesh: Mesh) -> None:
     """The global batch must split evenly over the data axis and over processes."""
     if batch_size % data_size(mesh):
-        raise MeshError(f"train.batch_size {batch_size} is not divisible by the mesh's data axis "
-                        f"({data_size(mesh)}); change train.batch_size or mesh.shape")
+        raise MeshError(
+            f"train.batch_size {batch_size} is not divisible by the mesh's data axis "
+            f"({data_size(mesh)}); change train.batch_size or mesh.shape"
+        )
     if batch_size % jax.process_count():
-        raise MeshError(f"train.batch_size {batch_size} is not divisible by "
-                        f"{jax.process_count()} processes")
+        raise MeshError(
+            f"train.batch_size {batch_size} is not divisible by {jax.process_count()} processes"
+        )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

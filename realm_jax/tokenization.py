@@ -25,10 +25,17 @@ def load_tokenizer(vocab_path: str = VOCAB_PATH) -> Tokenizer:
     if not os.path.isfile(vocab_path):
         raise FileNotFoundError(f"WordPiece vocab not found: {vocab_path}")
     tok = BertWordPieceTokenizer(vocab_path, lowercase=True, strip_accents=None)
-    for name, want in (("[PAD]", PAD_ID), ("[CLS]", CLS_ID), ("[SEP]", SEP_ID), ("[MASK]", MASK_ID)):
+    for name, want in (
+        ("[PAD]", PAD_ID),
+        ("[CLS]", CLS_ID),
+        ("[SEP]", SEP_ID),
+        ("[MASK]", MASK_ID),
+    ):
         got = tok.token_to_id(name)
         if got != want:
-            raise ValueError(f"{vocab_path}: {name} has id {got}, expected {want} (bert-base vocab)")
+            raise ValueError(
+                f"{vocab_path}: {name} has id {got}, expected {want} (bert-base vocab)"
+            )
     return tok._tokenizer  # the plain Tokenizer: picklable, fast batch encode
 
 

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import linen as nn, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from flax import linen as nn
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from realm_jax import losses, retrieval, sharding
 from realm_jax.models import ModelConfig, RealmModel
@@ -42,8 +44,12 @@ def learning_rate(train_cfg) -> optax.Schedule:
     warm = warmup_steps(train_cfg)
     decay = max(1, train_cfg.steps - warm)
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, train_cfg.lr, max(1, warm)),
-         optax.linear_schedule(train_cfg.lr, 0.0, decay)], [warm])
+        [
+            optax.linear_schedule(0.0, train_cfg.lr, max(1, warm)),
+            optax.linear_schedule(train_cfg.lr, 0.0, decay),
+        ],
+        [warm],
+    )
 
 
 def _decay_mask(params):
@@ -60,8 +66,14 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """AdamW as in BERT, with global-norm clipping."""
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
-        optax.adamw(learning_rate(train_cfg), b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
-                    eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay, mask=_decay_mask),
+        optax.adamw(
+            learning_rate(train_cfg),
+            b1=train_cfg.adam_b1,
+            b2=train_cfg.adam_b2,
+            eps=train_cfg.adam_eps,
+            weight_decay=train_cfg.weight_decay,
+            mask=_decay_mask,
+        ),
     )
 
 
@@ -88,7 +100,8 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
     if joint_len(config) > mcfg.max_position_embeddings:
         raise ValueError(
             f"reader input length data.query_len + data.block_len - 1 = {joint_len(config)} "
-            f"exceeds model.max_position_embeddings = {mcfg.max_position_embeddings}")
+            f"exceeds model.max_position_embeddings = {mcfg.max_position_embeddings}"
+        )
     model = RealmModel(mcfg)
     optimizer = make_optimizer(config.train)
     d = config.data
@@ -96,8 +109,9 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
 
     def init(rng):
         params = model.init(rng, *inputs)["params"]
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=optimizer.init(params))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+        )
 
     abstract = jax.eval_shape(init, rng)
     shardings = sharding.logical_shardings(mesh, abstract)
@@ -106,8 +120,10 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
     if params_hook is not None:
         params = params_hook(jax.device_get(state.params))
         params = jax.device_put(params, shardings.params)
-        state = state.replace(params=params, opt_state=jax.jit(
-            optimizer.init, out_shardings=shardings.opt_state)(params))
+        state = state.replace(
+            params=params,
+            opt_state=jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params),
+        )
     return model, optimizer, state, shardings
 
 
@@ -148,57 +164,123 @@ def build_joint(query_ids, block_tokens, length: int):
 # ----------------------------------------------------------------------------- step
 
 
-def retrieve(params, batch, index_emb, index_tokens, *, model: RealmModel, mesh: Mesh,
-             num_candidates: int, num_valid: int):
+def retrieve(
+    params,
+    batch,
+    index_emb,
+    index_tokens,
+    *,
+    model: RealmModel,
+    mesh: Mesh,
+    num_candidates: int,
+    num_valid: int,
+):
     """Embed queries, search the index, re-embed the hits with live params.
 
     Returns (q_emb [B, D], relevance [B, K] with the null document first at score 0,
     candidate tokens [B, K, Lb] with the null document all zeros, retrieved ids [B, K-1]).
     """
     q_ids = batch["query_ids"]  # [B, Lq]
-    q_emb = model.apply({"params": params}, q_ids, jnp.zeros_like(q_ids),
-                        (q_ids != 0).astype(jnp.int32), method=RealmModel.embed_query)  # [B, D]
+    q_emb = model.apply(
+        {"params": params},
+        q_ids,
+        jnp.zeros_like(q_ids),
+        (q_ids != 0).astype(jnp.int32),
+        method=RealmModel.embed_query,
+    )  # [B, D]
     k = num_candidates - 1
     _, ids, tokens = retrieval.search_and_fetch(
-        mesh, jax.lax.stop_gradient(q_emb), index_emb, index_tokens, batch["block_id"],
-        k=k, num_valid=num_valid)  # ids [B, k], tokens [B, k, Lb]
+        mesh,
+        jax.lax.stop_gradient(q_emb),
+        index_emb,
+        index_tokens,
+        batch["block_id"],
+        k=k,
+        num_valid=num_valid,
+    )  # ids [B, k], tokens [B, k, Lb]
     B, _, Lb = tokens.shape
     flat = tokens.reshape(B * k, Lb)
-    d_emb = model.apply({"params": params}, flat, block_segments(flat),
-                        (flat != 0).astype(jnp.int32),
-                        method=RealmModel.embed_doc).reshape(B, k, -1)  # live params: grads flow
+    d_emb = model.apply(
+        {"params": params},
+        flat,
+        block_segments(flat),
+        (flat != 0).astype(jnp.int32),
+        method=RealmModel.embed_doc,
+    ).reshape(B, k, -1)  # live params: grads flow
     retrieved = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
     relevance = jnp.concatenate([jnp.zeros((B, 1), retrieved.dtype), retrieved], axis=1)
     cands = jnp.concatenate([jnp.zeros((B, 1, Lb), tokens.dtype), tokens], axis=1)
     return q_emb, relevance, cands, ids
 
 
-def realm_loss(params, batch, index_emb, index_tokens, *, model: RealmModel, mesh: Mesh,
-               num_candidates: int, num_valid: int, length: int):
+def realm_loss(
+    params,
+    batch,
+    index_emb,
+    index_tokens,
+    *,
+    model: RealmModel,
+    mesh: Mesh,
+    num_candidates: int,
+    num_valid: int,
+    length: int,
+):
     """REALM's marginal loss for one batch; returns (loss, metrics)."""
-    _, relevance, cands, ids = retrieve(params, batch, index_emb, index_tokens, model=model,
-                                        mesh=mesh, num_candidates=num_candidates,
-                                        num_valid=num_valid)
+    _, relevance, cands, ids = retrieve(
+        params,
+        batch,
+        index_emb,
+        index_tokens,
+        model=model,
+        mesh=mesh,
+        num_candidates=num_candidates,
+        num_valid=num_valid,
+    )
     B, K, _ = cands.shape
     j_ids, j_segs, j_mask = build_joint(batch["query_ids"], cands, length)
     positions = jnp.repeat(batch["mlm_positions"], K, axis=0)  # [B*K, P]
-    logits = model.apply({"params": params}, j_ids.reshape(B * K, length),
-                         j_segs.reshape(B * K, length), j_mask.reshape(B * K, length), positions,
-                         method=RealmModel.mlm_logits)
+    logits = model.apply(
+        {"params": params},
+        j_ids.reshape(B * K, length),
+        j_segs.reshape(B * K, length),
+        j_mask.reshape(B * K, length),
+        positions,
+        method=RealmModel.mlm_logits,
+    )
     logits = logits.reshape(B, K, *logits.shape[1:])  # [B, K, P, V]
-    loss, metrics = losses.marginal_loss(relevance, logits, batch["mlm_targets"],
-                                         batch["mlm_weights"])
+    loss, metrics = losses.marginal_loss(
+        relevance, logits, batch["mlm_targets"], batch["mlm_weights"]
+    )
     metrics["retrieved_ids"] = ids
     return loss, metrics
 
 
-def train_step(state: TrainState, batch, index_emb, index_tokens, index_step, *, model, optimizer,
-               mesh, num_candidates, num_valid, length):
+def train_step(
+    state: TrainState,
+    batch,
+    index_emb,
+    index_tokens,
+    index_step,
+    *,
+    model,
+    optimizer,
+    mesh,
+    num_candidates,
+    num_valid,
+    length,
+):
     """One optimizer step; returns (new state, metrics)."""
-    loss_fn = functools.partial(realm_loss, model=model, mesh=mesh, num_candidates=num_candidates,
-                                num_valid=num_valid, length=length)
+    loss_fn = functools.partial(
+        realm_loss,
+        model=model,
+        mesh=mesh,
+        num_candidates=num_candidates,
+        num_valid=num_valid,
+        length=length,
+    )
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch, index_emb, index_tokens)
+        state.params, batch, index_emb, index_tokens
+    )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics.pop("retrieved_ids")
@@ -211,14 +293,25 @@ def train_step(state: TrainState, batch, index_emb, index_tokens, index_step, *,
 
 def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, num_valid: int):
     """jax.jit of train_step with explicit in/out shardings; the state is donated."""
-    fn = functools.partial(train_step, model=model, optimizer=optimizer, mesh=mesh,
-                           num_candidates=config.train.num_candidates, num_valid=num_valid,
-                           length=joint_len(config))
+    fn = functools.partial(
+        train_step,
+        model=model,
+        optimizer=optimizer,
+        mesh=mesh,
+        num_candidates=config.train.num_candidates,
+        num_valid=num_valid,
+        length=joint_len(config),
+    )
     rows = sharding.rows_sharding(mesh)
     return jax.jit(
         fn,
-        in_shardings=(state_shardings, sharding.batch_sharding(mesh), rows, rows,
-                      sharding.replicated(mesh)),
+        in_shardings=(
+            state_shardings,
+            sharding.batch_sharding(mesh),
+            rows,
+            rows,
+            sharding.replicated(mesh),
+        ),
         out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
     )
@@ -226,9 +319,14 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
 
 def compile_loss(config, mesh: Mesh, model, num_valid: int):
     """The forward pass alone (evaluation and tests): (params, batch, emb, tokens) -> metrics."""
-    fn = functools.partial(realm_loss, model=model, mesh=mesh,
-                           num_candidates=config.train.num_candidates, num_valid=num_valid,
-                           length=joint_len(config))
+    fn = functools.partial(
+        realm_loss,
+        model=model,
+        mesh=mesh,
+        num_candidates=config.train.num_candidates,
+        num_valid=num_valid,
+        length=joint_len(config),
+    )
     return jax.jit(lambda *a: fn(*a)[1], out_shardings=NamedSharding(mesh, P()))
 
 
@@ -252,8 +350,13 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
         def one(_, tc):  # tc [n_dev, chunk, Lb]
             flat = tc.reshape(n_dev * chunk, -1)
             flat = jax.lax.with_sharding_constraint(flat, rows)
-            e = model.apply({"params": params}, flat, block_segments(flat),
-                            (flat != 0).astype(jnp.int32), method=RealmModel.embed_doc)
+            e = model.apply(
+                {"params": params},
+                flat,
+                block_segments(flat),
+                (flat != 0).astype(jnp.int32),
+                method=RealmModel.embed_doc,
+            )
             return None, e.reshape(n_dev, chunk, -1)
 
         _, out = jax.lax.scan(one, None, t)  # [steps, n_dev, chunk, D]

@@ -93,20 +93,34 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
     ddir = data_dir(config, workdir)
     tokens = prepare.load_blocks(ddir)[0]  # [N, Lb]
     if tokens.shape[1] != config.data.block_len:
-        raise ValueError(f"{ddir}: blocks are {tokens.shape[1]} long but data.block_len is "
-                         f"{config.data.block_len}; re-run prepare")
-    log.info("mesh %s over %d devices (%d processes); %d blocks", dict(mesh.shape),
-             mesh.devices.size, jax.process_count(), tokens.shape[0])
+        raise ValueError(
+            f"{ddir}: blocks are {tokens.shape[1]} long but data.block_len is "
+            f"{config.data.block_len}; re-run prepare"
+        )
+    log.info(
+        "mesh %s over %d devices (%d processes); %d blocks",
+        dict(mesh.shape),
+        mesh.devices.size,
+        jax.process_count(),
+        tokens.shape[0],
+    )
 
     model, optimizer, state, shardings = train_step.create_state(
-        config, mesh, jax.random.key(tc.seed), params_hook(config))
+        config, mesh, jax.random.key(tc.seed), params_hook(config)
+    )
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
-    loader = pipeline.train_loader(config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed)
+    loader = pipeline.train_loader(
+        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
+    )
     it = iter(loader)
     start = mgr.latest_step()
     if start is not None:
-        state = checkpoint.restore(mgr, start, checkpoint.abstract_like(state, shardings),
-                                   pipeline.iterator_restore_args(it))
+        state = checkpoint.restore(
+            mgr,
+            start,
+            checkpoint.abstract_like(state, shardings),
+            pipeline.iterator_restore_args(it),
+        )
         log.info("resumed from checkpoint %d", start)
     else:
         start = 0
@@ -115,8 +129,9 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
 
     feed = IndexFeed(config, workdir, mesh, model, tokens)
     feed.start(state.params, start)
-    step_fn = train_step.compile_train_step(config, mesh, model, optimizer, shardings,
-                                            feed.num_blocks)
+    step_fn = train_step.compile_train_step(
+        config, mesh, model, optimizer, shardings, feed.num_blocks
+    )
     return _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, _Stop(stop_event))
 
 
@@ -151,8 +166,11 @@ def _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, stop) -> 
             if step % tc.checkpoint_every == 0 or step == tc.steps:
                 checkpoint.save(mgr, step, state, pipeline.iterator_save_args(it))
             if tc.preemption_save and stop.any_process():
-                log.warning("stop requested (signal %s): saving checkpoint %d and exiting",
-                            stop.signum, step)
+                log.warning(
+                    "stop requested (signal %s): saving checkpoint %d and exiting",
+                    stop.signum,
+                    step,
+                )
                 checkpoint.save(mgr, step, state, pipeline.iterator_save_args(it), force=True)
                 break
     finally:
@@ -160,4 +178,3 @@ def _loop(config, workdir, mesh, state, step_fn, it, mgr, feed, start, stop) -> 
         writer.close()
         stop.uninstall()
     return history
-

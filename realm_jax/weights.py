@@ -28,8 +28,14 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if not os.path.isfile(cfg_path):
         raise WeightImportError(f"{path}: no config.json")
     if not os.path.isfile(st_path):
-        pickled = [f for f in ("pytorch_model.bin", "tf_model.h5") if os.path.exists(os.path.join(path, f))]
-        hint = f" (found {pickled[0]}: convert it to safetensors; pickles are never loaded)" if pickled else ""
+        pickled = [
+            f for f in ("pytorch_model.bin", "tf_model.h5") if os.path.exists(os.path.join(path, f))
+        ]
+        hint = (
+            f" (found {pickled[0]}: convert it to safetensors; pickles are never loaded)"
+            if pickled
+            else ""
+        )
         raise WeightImportError(f"{path}: no model.safetensors{hint}")
     from safetensors.numpy import load_file
 
@@ -54,9 +60,12 @@ def hf_model_fields(hf: dict) -> dict:
         "type_vocab_size": hf.get("type_vocab_size", 2),
         "layer_norm_eps": hf.get("layer_norm_eps", 1e-12),
     }
-    for src, dst in (("retriever_proj_size", "proj_size"), ("span_hidden_size", "span_hidden_size"),
-                     ("max_span_width", "max_span_width"),
-                     ("reader_layer_norm_eps", "reader_layer_norm_eps")):
+    for src, dst in (
+        ("retriever_proj_size", "proj_size"),
+        ("span_hidden_size", "span_hidden_size"),
+        ("max_span_width", "max_span_width"),
+        ("reader_layer_norm_eps", "reader_layer_norm_eps"),
+    ):
         if src in hf:
             out[dst] = hf[src]
     return out
@@ -93,8 +102,10 @@ def _bert_prefix(t: _Tensors) -> str:
     for p in ("bert.", "realm.", ""):
         if t.has(f"{p}embeddings.position_embeddings.weight"):
             return p
-    raise WeightImportError(f"{t.source}: no BERT embeddings found (looked for bert., realm. and "
-                            "unprefixed embeddings.position_embeddings.weight)")
+    raise WeightImportError(
+        f"{t.source}: no BERT embeddings found (looked for bert., realm. and "
+        "unprefixed embeddings.position_embeddings.weight)"
+    )
 
 
 def _bert(t: _Tensors, fields: dict, pooler: bool) -> dict:
@@ -104,19 +115,23 @@ def _bert(t: _Tensors, fields: dict, pooler: bool) -> dict:
     word = f"{p}embeddings.word_embeddings.weight"
     if not t.has(word):  # tied: only the decoder copy was stored
         word = "cls.predictions.decoder.weight"
-    out = {"embeddings": {
-        "word_embeddings": {"embedding": t.get(word)},
-        "position_embeddings": t.get(f"{p}embeddings.position_embeddings.weight"),
-        "token_type_embeddings": t.get(f"{p}embeddings.token_type_embeddings.weight"),
-        "LayerNorm": t.layer_norm(f"{p}embeddings.LayerNorm"),
-    }}
+    out = {
+        "embeddings": {
+            "word_embeddings": {"embedding": t.get(word)},
+            "position_embeddings": t.get(f"{p}embeddings.position_embeddings.weight"),
+            "token_type_embeddings": t.get(f"{p}embeddings.token_type_embeddings.weight"),
+            "LayerNorm": t.layer_norm(f"{p}embeddings.LayerNorm"),
+        }
+    }
     for i in range(fields["num_layers"]):
         lp = f"{p}encoder.layer.{i}."
         att = {}
         for name in ("query", "key", "value"):
             lin = t.linear(f"{lp}attention.self.{name}")
-            att[name] = {"kernel": lin["kernel"].reshape(hidden, heads, hd),
-                         "bias": lin["bias"].reshape(heads, hd)}
+            att[name] = {
+                "kernel": lin["kernel"].reshape(hidden, heads, hd),
+                "bias": lin["bias"].reshape(heads, hd),
+            }
         o = t.linear(f"{lp}attention.output.dense")
         att["output_dense"] = {"kernel": o["kernel"].reshape(heads, hd, hidden), "bias": o["bias"]}
         out[f"layer_{i}"] = {
@@ -163,7 +178,8 @@ def reader_params(path: str, with_span_head: bool | None = None) -> tuple[dict, 
     params["mlm"] = {
         "transform": t.linear("cls.predictions.transform.dense"),
         "transform_LayerNorm": t.layer_norm("cls.predictions.transform.LayerNorm"),
-        "bias": t.get("cls.predictions.bias") if t.has("cls.predictions.bias")
+        "bias": t.get("cls.predictions.bias")
+        if t.has("cls.predictions.bias")
         else t.get("cls.predictions.decoder.bias"),
     }
     if t.has("cls.predictions.decoder.weight"):
@@ -172,15 +188,22 @@ def reader_params(path: str, with_span_head: bool | None = None) -> tuple[dict, 
         if not np.allclose(dec, word, atol=1e-6):
             # RealmReader checkpoints store an untied, unused MLM decoder: the BERT keeps its
             # word embeddings and MLM logits use them (realm-jax always ties the decoder).
-            log.warning("%s: MLM decoder weight differs from the word embeddings; using the "
-                        "word embeddings (tied decoder)", path)
+            log.warning(
+                "%s: MLM decoder weight differs from the word embeddings; using the "
+                "word embeddings (tied decoder)",
+                path,
+            )
     if with_span_head or (with_span_head is None and t.has("qa_outputs.dense_intermediate.weight")):
         params["span"] = {
             "dense_intermediate": t.linear("qa_outputs.dense_intermediate"),
             "layer_normalization": t.layer_norm("qa_outputs.layer_normalization"),
             "dense_output": t.linear("qa_outputs.dense_output"),
         }
-    ignored = [n for n in t.unused() if not n.startswith("realm.pooler") and not n.startswith("bert.pooler")]
+    ignored = [
+        n
+        for n in t.unused()
+        if not n.startswith("realm.pooler") and not n.startswith("bert.pooler")
+    ]
     if ignored:
         log.warning("%s: tensors not used by the reader: %s", path, ", ".join(ignored[:8]))
     return params, fields
@@ -202,8 +225,9 @@ def merge_params(target, loaded: dict, where: str = "params"):
         old = target[key]
         raw = old.unbox() if isinstance(old, nn.LogicallyPartitioned) else old
         if tuple(raw.shape) != tuple(value.shape):
-            raise WeightImportError(f"{path}: checkpoint shape {tuple(value.shape)} != model shape "
-                                    f"{tuple(raw.shape)}")
+            raise WeightImportError(
+                f"{path}: checkpoint shape {tuple(value.shape)} != model shape {tuple(raw.shape)}"
+            )
         new = np.asarray(value, raw.dtype)
         out[key] = old.replace_boxed(new) if isinstance(old, nn.LogicallyPartitioned) else new
     return out
@@ -211,9 +235,11 @@ def merge_params(target, loaded: dict, where: str = "params"):
 
 def check_fields(model_cfg, fields: dict, path: str) -> None:
     """Fail when the run's architecture disagrees with the checkpoint's config.json."""
-    bad = [f"{k}: config {getattr(model_cfg, k)!r} vs checkpoint {v!r}"
-           for k, v in fields.items()
-           if k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size")
-           and getattr(model_cfg, k) != v]
+    bad = [
+        f"{k}: config {getattr(model_cfg, k)!r} vs checkpoint {v!r}"
+        for k, v in fields.items()
+        if k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size")
+        and getattr(model_cfg, k) != v
+    ]
     if bad:
         raise WeightImportError(f"{path} does not match config.model: " + "; ".join(bad))

@@ -23,9 +23,13 @@ emb, tokens = synthetic_index(config)
 e, t = train_step.pad_index(emb, tokens, mesh)
 batch = synthetic_batch(config)
 per = config.train.batch_size // 2
-local = {k: v[pid * per:(pid + 1) * per] for k, v in batch.items()}  # this process's share
+local = {k: v[pid * per : (pid + 1) * per] for k, v in batch.items()}  # this process's share
 fn = train_step.compile_loss(config, mesh, model, len(emb))
-metrics = fn(state.params, sharding.global_batch(local, mesh), sharding.put_rows(e, mesh),
-             sharding.put_rows(t, mesh))
+metrics = fn(
+    state.params,
+    sharding.global_batch(local, mesh),
+    sharding.put_rows(e, mesh),
+    sharding.put_rows(t, mesh),
+)
 print("LOSS", float(jax.device_get(metrics["loss"])), flush=True)
 jax.distributed.shutdown()

@@ -5,10 +5,19 @@ import numpy as np
 from realm_jax.config_lib import load_config
 
 CONFIG_OVERRIDES = [
-    "model.vocab_size=512", "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
-    "model.intermediate_size=64", "model.max_position_embeddings=64", "data.block_len=16",
-    "data.query_len=12", "data.max_predictions=3", "train.batch_size=8", "train.num_candidates=4",
-    "train.warmup_steps=0", "train.steps=10",
+    "model.vocab_size=512",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "model.max_position_embeddings=64",
+    "data.block_len=16",
+    "data.query_len=12",
+    "data.max_predictions=3",
+    "train.batch_size=8",
+    "train.num_candidates=4",
+    "train.warmup_steps=0",
+    "train.steps=10",
 ]
 NUM_BLOCKS = 61  # not a multiple of 8: exercises index padding
 

@@ -37,15 +37,23 @@ def bert_tiny():
 
 def test_bert_embeddings_hidden_and_mlm(bert_tiny):
     model, variables, ref = bert_tiny
-    ids, mask, seg = (jnp.asarray(ref[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
+    ids, mask, seg = (
+        jnp.asarray(ref[k]) for k in ("input_ids", "attention_mask", "token_type_ids")
+    )
     emb = model.apply(variables, ids, seg, method=lambda m, i, s: m.bert.embeddings(i, s))
     close(emb, ref["embedding_output"])
     hidden, _ = model.apply(variables, ids, seg, mask, method=lambda m, *a: m.bert(*a))
     valid = np.asarray(mask, bool)
     close(np.asarray(hidden)[valid], ref["last_hidden_state"][valid])
     rows, cols = ref["mask_positions"][:, 0], ref["mask_positions"][:, 1]
-    logits = model.apply(variables, ids[rows], seg[rows], mask[rows], jnp.asarray(cols)[:, None],
-                         method=Reader.mlm_logits)
+    logits = model.apply(
+        variables,
+        ids[rows],
+        seg[rows],
+        mask[rows],
+        jnp.asarray(cols)[:, None],
+        method=Reader.mlm_logits,
+    )
     close(logits[:, 0], ref["mlm_logits_at_mask"])
 
 
@@ -62,10 +70,18 @@ def embedder(realm_ref):
 
 def _relevance(embedder, r):
     model, variables = embedder
-    q = model.apply(variables, jnp.asarray(r["query_ids"]), jnp.zeros_like(r["query_ids"]),
-                    jnp.asarray(r["query_mask"]))
-    d = model.apply(variables, jnp.asarray(r["doc_ids"]), jnp.asarray(r["doc_type_ids"]),
-                    jnp.asarray(r["doc_mask"]))
+    q = model.apply(
+        variables,
+        jnp.asarray(r["query_ids"]),
+        jnp.zeros_like(r["query_ids"]),
+        jnp.asarray(r["query_mask"]),
+    )
+    d = model.apply(
+        variables,
+        jnp.asarray(r["doc_ids"]),
+        jnp.asarray(r["doc_type_ids"]),
+        jnp.asarray(r["doc_mask"]),
+    )
     return q, d, jnp.einsum("bd,bkd->bk", q, d.reshape(q.shape[0], -1, d.shape[-1]))
 
 
@@ -91,9 +107,14 @@ def test_realm_encoder_logits_and_marginal_loss(embedder, realm_ref):
     for b in range(B):
         idx = np.nonzero(labels[b] != -100)[0]
         pos[b, : len(idx)], tgt[b, : len(idx)], w[b, : len(idx)] = idx, labels[b, idx], 1
-    logits = model.apply({"params": params}, jnp.asarray(r["joint_ids"]),
-                         jnp.asarray(r["joint_type_ids"]), jnp.asarray(r["joint_mask"]),
-                         jnp.asarray(np.repeat(pos, K, axis=0)), method=Reader.mlm_logits)
+    logits = model.apply(
+        {"params": params},
+        jnp.asarray(r["joint_ids"]),
+        jnp.asarray(r["joint_type_ids"]),
+        jnp.asarray(r["joint_mask"]),
+        jnp.asarray(np.repeat(pos, K, axis=0)),
+        method=Reader.mlm_logits,
+    )
     logits = logits.reshape(B, K, P, -1)
     got = [logits[b, :, p] for b in range(B) for p in range(P) if w[b, p]]
     close(np.stack(got), r["encoder_logits_at_labels"])
@@ -108,9 +129,13 @@ def test_realm_reader_span_logits_and_losses(realm_ref):
     params, fields = weights.reader_params(shared_path("reference", "tiny_realm", "reader"))
     model = Reader(_cfg(fields))
     span_logits, starts, ends = model.apply(
-        {"params": params}, jnp.asarray(r["reader_ids"]), jnp.asarray(r["reader_type_ids"]),
-        jnp.asarray(r["reader_mask"]), jnp.asarray(r["reader_block_mask"]),
-        method=Reader.span_logits)
+        {"params": params},
+        jnp.asarray(r["reader_ids"]),
+        jnp.asarray(r["reader_type_ids"]),
+        jnp.asarray(r["reader_mask"]),
+        jnp.asarray(r["reader_block_mask"]),
+        method=Reader.span_logits,
+    )
     np.testing.assert_array_equal(starts, r["reader_span_starts"])
     np.testing.assert_array_equal(ends, r["reader_span_ends"])
     ref_logits = r["reader_span_logits"]
@@ -118,9 +143,14 @@ def test_realm_reader_span_logits_and_losses(realm_ref):
     np.testing.assert_array_equal(np.asarray(span_logits) > -1e30, valid)
     close(np.asarray(span_logits)[valid], ref_logits[valid])
     total, retr, read = losses.orqa_losses(
-        jnp.asarray(r["reader_relevance"]), span_logits, starts, ends,
-        jnp.asarray([[12], [12], [15], [15]]), jnp.asarray([[13], [13], [15], [15]]),
-        jnp.asarray([True, False, True, False]))
+        jnp.asarray(r["reader_relevance"]),
+        span_logits,
+        starts,
+        ends,
+        jnp.asarray([[12], [12], [15], [15]]),
+        jnp.asarray([[13], [13], [15], [15]]),
+        jnp.asarray([True, False, True, False]),
+    )
     close(retr, r["reader_retriever_loss"])
     close(read, r["reader_reader_loss"])
     close(total, r["reader_loss"])
@@ -137,7 +167,9 @@ def test_import_errors_name_the_tensor(tmp_path):
     t = load_file(f"{src}/model.safetensors")
     del t["realm.encoder.layer.1.output.dense.weight"]
     save_file(t, str(tmp_path / "model.safetensors"))
-    with pytest.raises(weights.WeightImportError, match="realm.encoder.layer.1.output.dense.weight"):
+    with pytest.raises(
+        weights.WeightImportError, match="realm.encoder.layer.1.output.dense.weight"
+    ):
         weights.embedder_params(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00")  # truncated
     with pytest.raises(weights.WeightImportError, match="cannot read safetensors"):

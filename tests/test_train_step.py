@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from realm_jax import losses, sharding, tokenization, train_step
-from realm_jax.models import RealmModel
 from tests.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
 
 
@@ -38,8 +37,11 @@ def test_mesh_errors_are_clear():
 
 def test_retrieval_matches_numpy_and_excludes_own_block(setup):
     config, mesh, model, _, state, _, emb, tokens, index, batch = setup
-    fn = jax.jit(functools.partial(
-        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)))
+    fn = jax.jit(
+        functools.partial(
+            train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        )
+    )
     q_emb, relevance, cands, ids = fn(state.params, sharding.global_batch(batch, mesh), *index)
     q = np.asarray(q_emb, np.float64)
     scores = q @ emb.T.astype(np.float64)
@@ -65,9 +67,9 @@ def test_shard_map_search_scores_match_numpy():
     e, t = train_step.pad_index(emb, tok, mesh)
     q = rng.normal(size=(8, 16)).astype(np.float32)
     ex = np.array([-1, 0, 5, 1000, 17, -1, 3, 2], np.int32)
-    vals, ids, got_tok = jax.jit(functools.partial(
-        retrieval.search_and_fetch, mesh, k=5, num_valid=1001))(
-        q, sharding.put_rows(e, mesh), sharding.put_rows(t, mesh), ex)
+    vals, ids, got_tok = jax.jit(
+        functools.partial(retrieval.search_and_fetch, mesh, k=5, num_valid=1001)
+    )(q, sharding.put_rows(e, mesh), sharding.put_rows(t, mesh), ex)
     s = q.astype(np.float64) @ emb.T
     s[ex >= 0, ex[ex >= 0]] = -np.inf
     want = np.argsort(-s, axis=1)[:, :5]
@@ -99,8 +101,9 @@ def test_marginal_loss_hand_computed():
     logits[0, 1, 0] = [0, np.log(6.0), np.log(2.0)]  # p(y=0 | z1) = 1/9
     targets = np.array([[0, 1]])
     w = np.array([[1.0, 0.0]])
-    loss, m = losses.marginal_loss(jnp.asarray(rel), jnp.asarray(logits), jnp.asarray(targets),
-                                   jnp.asarray(w))
+    loss, m = losses.marginal_loss(
+        jnp.asarray(rel), jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(w)
+    )
     p = 0.25 * 0.5 + 0.75 / 9
     assert abs(float(loss) + np.log(p)) < 1e-6
     assert abs(float(m["retrieval_utility"]) - (np.log(p) - np.log(0.5))) < 1e-6
@@ -131,8 +134,14 @@ def test_same_loss_on_one_device_and_eight(setup, step8):
     _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
     e, t = train_step.pad_index(emb, tokens, mesh)
     loss_fn = train_step.compile_loss(config, mesh, model, len(emb))
-    metrics = jax.device_get(loss_fn(state.params, sharding.global_batch(batch, mesh),
-                                     sharding.put_rows(e, mesh), sharding.put_rows(t, mesh)))
+    metrics = jax.device_get(
+        loss_fn(
+            state.params,
+            sharding.global_batch(batch, mesh),
+            sharding.put_rows(e, mesh),
+            sharding.put_rows(t, mesh),
+        )
+    )
     np.testing.assert_allclose(metrics["loss"], step8["loss"], rtol=1e-5)
 
 
@@ -143,15 +152,26 @@ def test_two_process_distributed_matches_single_process(step8):
 
     port = portpicker.pick_unused_port()
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=os.path.dirname(os.path.dirname(worker)))
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(port), str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(worker)),
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    losses_ = [float(line.split()[1]) for out in outs for line in out.splitlines()
-               if line.startswith("LOSS ")]
+    losses_ = [
+        float(line.split()[1])
+        for out in outs
+        for line in out.splitlines()
+        if line.startswith("LOSS ")
+    ]
     assert len(losses_) == 2
     for loss in losses_:
         np.testing.assert_allclose(loss, m8["loss"], rtol=1e-5)

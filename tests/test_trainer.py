@@ -19,11 +19,24 @@ from realm_jax.refresh import IndexFeed, Refresher, index_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-    "model.intermediate_size=64", "model.max_position_embeddings=128", "data.block_len=64",
-    "data.query_len=32", "data.max_predictions=5", "data.masking=random", "train.batch_size=8",
-    "train.num_candidates=4", "train.steps=24", "train.warmup_steps=2", "train.lr=1e-3",
-    "train.log_every=1", "train.checkpoint_every=4", "refresh.mode=inprocess", "refresh.every=4",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.intermediate_size=64",
+    "model.max_position_embeddings=128",
+    "data.block_len=64",
+    "data.query_len=32",
+    "data.max_predictions=5",
+    "data.masking=random",
+    "train.batch_size=8",
+    "train.num_candidates=4",
+    "train.steps=24",
+    "train.warmup_steps=2",
+    "train.lr=1e-3",
+    "train.log_every=1",
+    "train.checkpoint_every=4",
+    "refresh.mode=inprocess",
+    "refresh.every=4",
 ]
 
 
@@ -40,7 +53,9 @@ def data_dir(tmp_path_factory):
 
 
 def config(*extra):
-    return load_config(os.path.join(REPO, "configs", "realm.py") + ":smoke", OVERRIDES + list(extra))
+    return load_config(
+        os.path.join(REPO, "configs", "realm.py") + ":smoke", OVERRIDES + list(extra)
+    )
 
 
 def _losses(history):
@@ -53,9 +68,18 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     assert sorted(full) == list(range(1, 25))
 
     killed = str(tmp_path / "killed")
-    cmd = [sys.executable, "-m", "realm_jax", "train", "--config",
-           os.path.join(REPO, "configs", "realm.py") + ":smoke", "--workdir", killed,
-           *[f"--config.{o}" for o in OVERRIDES], f"--config.data.data_dir={data_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "realm_jax",
+        "train",
+        "--config",
+        os.path.join(REPO, "configs", "realm.py") + ":smoke",
+        "--workdir",
+        killed,
+        *[f"--config.{o}" for o in OVERRIDES],
+        f"--config.data.data_dir={data_dir}",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     mgr = checkpoint.manager(killed, with_data=False, read_only=True)
     deadline = time.time() + 300
@@ -104,9 +128,15 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     feed = IndexFeed(cfg, workdir, mesh, model, tokens)
     feed.start(state0.params, 0)
     assert feed.step == 0
-    queries = np.asarray(model.apply({"params": state0.params}, jax.numpy.asarray(tokens[:8, :32]),
-                                     np.zeros((8, 32), np.int32), (tokens[:8, :32] != 0),
-                                     method=RealmModel.embed_query))
+    queries = np.asarray(
+        model.apply(
+            {"params": state0.params},
+            jax.numpy.asarray(tokens[:8, :32]),
+            np.zeros((8, 32), np.int32),
+            (tokens[:8, :32] != 0),
+            method=RealmModel.embed_query,
+        )
+    )
 
     def top_ids():
         emb = np.asarray(jax.device_get(feed.emb))[: len(tokens)]
@@ -114,9 +144,17 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
 
     ids0, emb0 = top_ids()
     # Direct embedding of the blocks with the checkpoint's document embedder (reference).
-    want0 = np.asarray(jax.jit(lambda p, t: model.apply(
-        {"params": p}, t, train_step.block_segments(t), (t != 0).astype(np.int32),
-        method=RealmModel.embed_doc))(state0.params, tokens))
+    want0 = np.asarray(
+        jax.jit(
+            lambda p, t: model.apply(
+                {"params": p},
+                t,
+                train_step.block_segments(t),
+                (t != 0).astype(np.int32),
+                method=RealmModel.embed_doc,
+            )
+        )(state0.params, tokens)
+    )
     np.testing.assert_allclose(emb0, want0, atol=2e-5)
 
     checkpoint.save(mgr, 5, state1)  # new document embedder parameters
@@ -124,9 +162,17 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     assert refresher.run(max_versions=1) == 1
     assert feed.maybe_refresh(state1.params, 5) and feed.step == 5
     ids1, emb1 = top_ids()
-    want1 = np.asarray(jax.jit(lambda p, t: model.apply(
-        {"params": p}, t, train_step.block_segments(t), (t != 0).astype(np.int32),
-        method=RealmModel.embed_doc))(state1.params, tokens))
+    want1 = np.asarray(
+        jax.jit(
+            lambda p, t: model.apply(
+                {"params": p},
+                t,
+                train_step.block_segments(t),
+                (t != 0).astype(np.int32),
+                method=RealmModel.embed_doc,
+            )
+        )(state1.params, tokens)
+    )
     np.testing.assert_allclose(emb1, want1, atol=2e-5)
     assert not np.array_equal(ids0, ids1)  # retrieval follows the new index
 
@@ -134,12 +180,14 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     import multiprocessing as mp
 
     child = mp.get_context("spawn").Process(
-        target=_publish_and_hang, args=(index_dir(workdir), len(tokens), 128))
+        target=_publish_and_hang, args=(index_dir(workdir), len(tokens), 128)
+    )
     child.start()
     deadline = time.time() + 60
     while time.time() < deadline and not any(
-            n.startswith(".tmp") and os.path.exists(os.path.join(index_dir(workdir), n, "scann"))
-            for n in os.listdir(index_dir(workdir))):
+        n.startswith(".tmp") and os.path.exists(os.path.join(index_dir(workdir), n, "scann"))
+        for n in os.listdir(index_dir(workdir))
+    ):
         time.sleep(0.05)
     os.kill(child.pid, signal.SIGKILL)
     child.join()
@@ -161,24 +209,37 @@ def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
     from tests.conftest import shared_path
 
     bert = shared_path("models", "bert-tiny-mlm")
-    cfg = config(f"data.corpus={os.path.join(REPO, 'data', 'sample', 'corpus.jsonl')}",
-                 "data.block_len=128", "data.query_len=48", "model.max_position_embeddings=512",
-                 "model.hidden_size=128", "model.intermediate_size=512", "model.hidden_act=gelu",
-                 "model.num_layers=2",
-                 f"model.init_embedder_from={bert}")
+    cfg = config(
+        f"data.corpus={os.path.join(REPO, 'data', 'sample', 'corpus.jsonl')}",
+        "data.block_len=128",
+        "data.query_len=48",
+        "model.max_position_embeddings=512",
+        "model.hidden_size=128",
+        "model.intermediate_size=512",
+        "model.hidden_act=gelu",
+        "model.num_layers=2",
+        f"model.init_embedder_from={bert}",
+    )
     ddir = str(tmp_path / "data")
     prepare.prepare(cfg, ddir)
     tokens = prepare.load_blocks(ddir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0),
-                                                 trainer.params_hook(cfg))
+    model, _, state, _ = train_step.create_state(
+        cfg, mesh, jax.random.key(0), trainer.params_hook(cfg)
+    )
     _, tok = train_step.pad_index(None, tokens, mesh)
     emb = train_step.embed_blocks_fn(model, mesh, 16)(state.params, sharding.put_rows(tok, mesh))
     emb = np.asarray(jax.device_get(emb))[: len(tokens)]
     batch = next(iter(pipeline.train_loader(cfg, ddir, global_batch_size=64, seed=0)))
-    q = np.asarray(model.apply({"params": state.params}, batch["query_ids"],
-                               np.zeros_like(batch["query_ids"]), batch["query_ids"] != 0,
-                               method=RealmModel.embed_query))
+    q = np.asarray(
+        model.apply(
+            {"params": state.params},
+            batch["query_ids"],
+            np.zeros_like(batch["query_ids"]),
+            batch["query_ids"] != 0,
+            method=RealmModel.embed_query,
+        )
+    )
     params = scann_index.scann_params(len(emb), reorder=100, brute_force=False, tree=False)
     ids, _ = scann_index.search(scann_index.build_searcher(emb, k=10, **params), q, 10)
     exact = np.argsort(-(q @ emb.T), axis=1)[:, :10]
