@@ -29,6 +29,8 @@ def _model(**kw) -> ml_collections.ConfigDict:
     m.reader_layer_norm_eps = 1e-3  # LayerNorm epsilon in the span head
     m.share_embedders = False  # one BERT for query and document embedders (paper: separate)
     m.dtype = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    m.dropout = 0.1  # BERT dropout (embeddings, attention, hidden) in training; 0 = off
+    m.remat = False  # rematerialise each layer in the backward pass (saves activation memory)
     m.init_embedder_from = ""  # HF folder (RealmEmbedder / BertModel) for both embedders
     m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
     m.update(kw)
@@ -52,6 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             max_position_embeddings=256,
             span_hidden_size=32,
             max_span_width=5,
+            dropout=0.0,
         )
     elif variant == "small":
         c.model = _model(

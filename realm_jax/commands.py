@@ -73,22 +73,20 @@ def local(config, args) -> int:
     return 0
 
 
-def finetune(config, args) -> int:
+def _not_yet(command: str, what: str) -> int:
     print(
-        "realm-jax finetune: open-domain QA fine-tuning is not implemented yet "
-        "(planned after pre-training; see README 'Roadmap').",
+        f"realm-jax {command}: {what} is not implemented yet (see README 'Known gaps').",
         file=sys.stderr,
     )
     return 3
+
+
+def finetune(config, args) -> int:
+    return _not_yet("finetune", "open-domain QA fine-tuning")
 
 
 def evaluate(config, args) -> int:
-    print(
-        "realm-jax evaluate: exact-match evaluation is not implemented yet "
-        "(planned with fine-tuning; see README 'Roadmap').",
-        file=sys.stderr,
-    )
-    return 3
+    return _not_yet("evaluate", "exact-match evaluation")
 
 
 def ask(config, args) -> int:

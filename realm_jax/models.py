@@ -38,6 +38,7 @@ class ModelConfig:
     share_embedders: bool = False
     dtype: str = "float32"
     remat: bool = False
+    dropout: float = 0.0
 
     @classmethod
     def from_config(cls, model_config) -> ModelConfig:
@@ -118,8 +119,9 @@ class Embeddings(nn.Module):
             "token_type_embeddings", _init(("type", "embed")), (c.type_vocab_size, c.hidden_size)
         )
         self.LayerNorm = layer_norm(c, "LayerNorm")
+        self.dropout = nn.Dropout(c.dropout)
 
-    def __call__(self, ids: Array, segment_ids: Array) -> Array:
+    def __call__(self, ids: Array, segment_ids: Array, train: bool = False) -> Array:
         length = ids.shape[-1]
         if length > self.cfg.max_position_embeddings:
             raise ValueError(
@@ -132,7 +134,8 @@ class Embeddings(nn.Module):
             + jnp.asarray(self.position_embeddings)[:length]
             + jnp.asarray(self.token_type_embeddings)[segment_ids]
         )
-        return self.LayerNorm(x).astype(self.cfg.compute_dtype)
+        x = self.LayerNorm(x).astype(self.cfg.compute_dtype)
+        return self.dropout(x, deterministic=not train)
 
     def attend(self, h: Array) -> Array:
         """Logits against the word embeddings (the tied MLM decoder)."""
@@ -144,7 +147,7 @@ class SelfAttention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array) -> Array:
+    def __call__(self, x: Array, bias: Array, train: bool = False) -> Array:
         c = self.cfg
         head_dim = c.hidden_size // c.num_heads
 
@@ -160,6 +163,7 @@ class SelfAttention(nn.Module):
         q, k, v = proj("query"), proj("key"), proj("value")  # [B, L, heads, head_dim]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
         probs = jax.nn.softmax(scores + bias, axis=-1).astype(c.compute_dtype)
+        probs = nn.Dropout(c.dropout)(probs, deterministic=not train)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         return nn.DenseGeneral(
             c.hidden_size,
@@ -177,13 +181,14 @@ class TransformerLayer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array) -> Array:
+    def __call__(self, x: Array, bias: Array, train: bool = False) -> Array:
         c = self.cfg
-        a = SelfAttention(c, name="attention")(x, bias)
+        drop = nn.Dropout(c.dropout)
+        a = drop(SelfAttention(c, name="attention")(x, bias, train), deterministic=not train)
         x = layer_norm(c, "attention_LayerNorm")(x + a).astype(c.compute_dtype)
         h = dense(c.intermediate_size, ("embed", "mlp"), c, "intermediate")(x)
         h = activation(c.hidden_act)(h)
-        h = dense(c.hidden_size, ("mlp", "embed"), c, "output")(h)
+        h = drop(dense(c.hidden_size, ("mlp", "embed"), c, "output")(h), deterministic=not train)
         return layer_norm(c, "output_LayerNorm")(x + h).astype(c.compute_dtype)
 
 
@@ -196,17 +201,19 @@ class BertEncoder(nn.Module):
     def setup(self):
         c = self.cfg
         self.embeddings = Embeddings(c)
-        layer_cls = nn.remat(TransformerLayer) if c.remat else TransformerLayer
+        layer_cls = nn.remat(TransformerLayer, static_argnums=(3,)) if c.remat else TransformerLayer
         self.layers = [layer_cls(c, name=f"layer_{i}") for i in range(c.num_layers)]
         if self.add_pooler:
             self.pooler = dense(c.hidden_size, ("embed", "embed_out"), c, "pooler")
 
-    def __call__(self, ids: Array, segment_ids: Array, mask: Array):
-        """ids, segment_ids, mask: [B, L] -> (hidden [B, L, H], pooled [B, H] or None)."""
-        x = self.embeddings(ids, segment_ids)
+    def __call__(self, ids: Array, segment_ids: Array, mask: Array, train: bool = False):
+        """ids, segment_ids, mask: [B, L] -> (hidden [B, L, H], pooled [B, H] or None).
+
+        train=True applies dropout (config.model.dropout; needs a 'dropout' rng)."""
+        x = self.embeddings(ids, segment_ids, train)
         bias = jnp.where(mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
         for layer in self.layers:
-            x = layer(x, bias)
+            x = layer(x, bias, train)
         pooled = jnp.tanh(self.pooler(x[:, 0])) if self.add_pooler else None
         return x, pooled
 
@@ -222,8 +229,8 @@ class Embedder(nn.Module):
         self.projection = dense(c.proj_size, ("embed", "proj"), c, "projection")
         self.projection_LayerNorm = layer_norm(c, "projection_LayerNorm", axis_name="proj")
 
-    def __call__(self, ids: Array, segment_ids: Array, mask: Array) -> Array:
-        _, pooled = self.bert(ids, segment_ids, mask)
+    def __call__(self, ids: Array, segment_ids: Array, mask: Array, train: bool = False) -> Array:
+        _, pooled = self.bert(ids, segment_ids, mask, train)
         return self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
 
 
@@ -281,15 +288,15 @@ class Reader(nn.Module):
         self.mlm = MLMHead(self.cfg)
         self.span = SpanHead(self.cfg)
 
-    def mlm_logits(self, ids, segment_ids, mask, positions):
+    def mlm_logits(self, ids, segment_ids, mask, positions, train: bool = False):
         """[N, L] inputs, positions [N, P] -> logits [N, P, vocab] (float32)."""
-        h, _ = self.bert(ids, segment_ids, mask)
+        h, _ = self.bert(ids, segment_ids, mask, train)
         h = jnp.take_along_axis(h, positions[..., None].astype(jnp.int32), axis=1)
         return self.mlm(h, self.bert.embeddings)
 
-    def span_logits(self, ids, segment_ids, mask, block_mask):
+    def span_logits(self, ids, segment_ids, mask, block_mask, train: bool = False):
         """[N, L] inputs -> (span logits [N, S], starts [S], ends [S])."""
-        h, _ = self.bert(ids, segment_ids, mask)
+        h, _ = self.bert(ids, segment_ids, mask, train)
         return self.span(h, block_mask)
 
     def __call__(self, ids, segment_ids, mask, positions, block_mask):
@@ -317,17 +324,17 @@ class RealmModel(nn.Module):
     def _doc(self):
         return self.query_embedder if self.cfg.share_embedders else self.doc_embedder
 
-    def embed_query(self, ids, segment_ids, mask):
-        return self.query_embedder(ids, segment_ids, mask)
+    def embed_query(self, ids, segment_ids, mask, train: bool = False):
+        return self.query_embedder(ids, segment_ids, mask, train)
 
-    def embed_doc(self, ids, segment_ids, mask):
-        return self._doc()(ids, segment_ids, mask)
+    def embed_doc(self, ids, segment_ids, mask, train: bool = False):
+        return self._doc()(ids, segment_ids, mask, train)
 
-    def mlm_logits(self, ids, segment_ids, mask, positions):
-        return self.reader.mlm_logits(ids, segment_ids, mask, positions)
+    def mlm_logits(self, ids, segment_ids, mask, positions, train: bool = False):
+        return self.reader.mlm_logits(ids, segment_ids, mask, positions, train)
 
-    def span_logits(self, ids, segment_ids, mask, block_mask):
-        return self.reader.span_logits(ids, segment_ids, mask, block_mask)
+    def span_logits(self, ids, segment_ids, mask, block_mask, train: bool = False):
+        return self.reader.span_logits(ids, segment_ids, mask, block_mask, train)
 
     def __call__(self, query, block, joint, positions, block_mask):
         """Touch every network once (for init). Each arg is an (ids, segs, mask) tuple."""

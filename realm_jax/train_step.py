@@ -141,6 +141,26 @@ def block_segments(tokens):
     return jnp.where(tokens != 0, seg, False).astype(jnp.int32)
 
 
+def _dropout(rng, i: int) -> dict:
+    """apply() kwargs: dropout on with a per-network key when training (rng given)."""
+    if rng is None:
+        return {}
+    return {"train": True, "rngs": {"dropout": jax.random.fold_in(rng, i)}}
+
+
+def embed_block_tokens(model: RealmModel, params, tokens, rng=None):
+    """Document-embedder output for block token ids [N, Lb] -> [N, D] (segments and mask
+    derived from the tokens); dropout when an rng is given."""
+    return model.apply(
+        {"params": params},
+        tokens,
+        block_segments(tokens),
+        (tokens != 0).astype(jnp.int32),
+        method=RealmModel.embed_doc,
+        **_dropout(rng, 1),
+    )
+
+
 def build_joint(query_ids, block_tokens, length: int):
     """[CLS] x [SEP] title [SEP] body [SEP] for every candidate, built on device.
 
@@ -174,6 +194,7 @@ def retrieve(
     mesh: Mesh,
     num_candidates: int,
     num_valid: int,
+    rng=None,
 ):
     """Embed queries, search the index, re-embed the hits with live params.
 
@@ -187,6 +208,7 @@ def retrieve(
         jnp.zeros_like(q_ids),
         (q_ids != 0).astype(jnp.int32),
         method=RealmModel.embed_query,
+        **_dropout(rng, 0),
     )  # [B, D]
     k = num_candidates - 1
     _, ids, tokens = retrieval.search_and_fetch(
@@ -200,13 +222,7 @@ def retrieve(
     )  # ids [B, k], tokens [B, k, Lb]
     B, _, Lb = tokens.shape
     flat = tokens.reshape(B * k, Lb)
-    d_emb = model.apply(
-        {"params": params},
-        flat,
-        block_segments(flat),
-        (flat != 0).astype(jnp.int32),
-        method=RealmModel.embed_doc,
-    ).reshape(B, k, -1)  # live params: grads flow
+    d_emb = embed_block_tokens(model, params, flat, rng).reshape(B, k, -1)  # live params: grads
     retrieved = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
     relevance = jnp.concatenate([jnp.zeros((B, 1), retrieved.dtype), retrieved], axis=1)
     cands = jnp.concatenate([jnp.zeros((B, 1, Lb), tokens.dtype), tokens], axis=1)
@@ -224,8 +240,9 @@ def realm_loss(
     num_candidates: int,
     num_valid: int,
     length: int,
+    rng=None,
 ):
-    """REALM's marginal loss for one batch; returns (loss, metrics)."""
+    """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given."""
     _, relevance, cands, ids = retrieve(
         params,
         batch,
@@ -235,6 +252,7 @@ def realm_loss(
         mesh=mesh,
         num_candidates=num_candidates,
         num_valid=num_valid,
+        rng=rng,
     )
     B, K, _ = cands.shape
     j_ids, j_segs, j_mask = build_joint(batch["query_ids"], cands, length)
@@ -246,6 +264,7 @@ def realm_loss(
         j_mask.reshape(B * K, length),
         positions,
         method=RealmModel.mlm_logits,
+        **_dropout(rng, 2),
     )
     logits = logits.reshape(B, K, *logits.shape[1:])  # [B, K, P, V]
     loss, metrics = losses.marginal_loss(
@@ -268,8 +287,12 @@ def train_step(
     num_candidates,
     num_valid,
     length,
+    seed: int = 0,
 ):
     """One optimizer step; returns (new state, metrics)."""
+    rng = None  # dropout keys depend only on (seed, step): the same on any mesh
+    if model.cfg.dropout > 0:
+        rng = jax.random.fold_in(jax.random.key(seed), state.step)
     loss_fn = functools.partial(
         realm_loss,
         model=model,
@@ -277,6 +300,7 @@ def train_step(
         num_candidates=num_candidates,
         num_valid=num_valid,
         length=length,
+        rng=rng,
     )
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params, batch, index_emb, index_tokens
@@ -284,9 +308,9 @@ def train_step(
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics.pop("retrieved_ids")
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     for name in grads:
-        metrics[f"grad_norm/{name}"] = optax.global_norm(grads[name])
+        metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     metrics["staleness"] = state.step - index_step
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -301,6 +325,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         num_candidates=config.train.num_candidates,
         num_valid=num_valid,
         length=joint_len(config),
+        seed=config.train.seed,
     )
     rows = sharding.rows_sharding(mesh)
     return jax.jit(
@@ -350,13 +375,7 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
         def one(_, tc):  # tc [n_dev, chunk, Lb]
             flat = tc.reshape(n_dev * chunk, -1)
             flat = jax.lax.with_sharding_constraint(flat, rows)
-            e = model.apply(
-                {"params": params},
-                flat,
-                block_segments(flat),
-                (flat != 0).astype(jnp.int32),
-                method=RealmModel.embed_doc,
-            )
+            e = embed_block_tokens(model, params, flat)
             return None, e.reshape(n_dev, chunk, -1)
 
         _, out = jax.lax.scan(one, None, t)  # [steps, n_dev, chunk, D]

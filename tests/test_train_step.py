@@ -175,3 +175,32 @@ def test_two_process_distributed_matches_single_process(step8):
     assert len(losses_) == 2
     for loss in losses_:
         np.testing.assert_allclose(loss, m8["loss"], rtol=1e-5)
+
+
+def test_dropout_is_off_in_eval_and_keyed_in_training():
+    from realm_jax.models import ModelConfig, RealmModel
+
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        dropout=0.3,
+    )
+    model = RealmModel(cfg)
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 60, (2, 8)), jnp.int32)
+    segs, mask, pos = jnp.zeros_like(ids), jnp.ones_like(ids), jnp.ones((2, 1), jnp.int32)
+    t = (ids, segs, mask)
+    params = model.init(jax.random.key(0), t, t, t, pos, mask)["params"]
+
+    def run(**kw):
+        return model.apply({"params": params}, *t, pos, method=RealmModel.mlm_logits, **kw)
+
+    np.testing.assert_array_equal(run(), run())  # eval: deterministic, no rng needed
+    a = run(train=True, rngs={"dropout": jax.random.key(1)})
+    b = run(train=True, rngs={"dropout": jax.random.key(1)})
+    c = run(train=True, rngs={"dropout": jax.random.key(2)})
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c) and not np.allclose(a, run())

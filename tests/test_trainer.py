@@ -66,6 +66,8 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     cfg = config(f"data.data_dir={data_dir}")
     full = _losses(trainer.train(cfg, str(tmp_path / "full")))
     assert sorted(full) == list(range(1, 25))
+    events = os.listdir(tmp_path / "full" / "tb")
+    assert any(e.startswith("events.out.tfevents") for e in events), events
 
     killed = str(tmp_path / "killed")
     cmd = [
@@ -142,19 +144,10 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
         emb = np.asarray(jax.device_get(feed.emb))[: len(tokens)]
         return np.argsort(-(queries @ emb.T), axis=1)[:, :3], emb
 
+    embed_ref = jax.jit(lambda p, t: train_step.embed_block_tokens(model, p, t))
     ids0, emb0 = top_ids()
     # Direct embedding of the blocks with the checkpoint's document embedder (reference).
-    want0 = np.asarray(
-        jax.jit(
-            lambda p, t: model.apply(
-                {"params": p},
-                t,
-                train_step.block_segments(t),
-                (t != 0).astype(np.int32),
-                method=RealmModel.embed_doc,
-            )
-        )(state0.params, tokens)
-    )
+    want0 = np.asarray(embed_ref(state0.params, tokens))
     np.testing.assert_allclose(emb0, want0, atol=2e-5)
 
     checkpoint.save(mgr, 5, state1)  # new document embedder parameters
@@ -162,17 +155,7 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     assert refresher.run(max_versions=1) == 1
     assert feed.maybe_refresh(state1.params, 5) and feed.step == 5
     ids1, emb1 = top_ids()
-    want1 = np.asarray(
-        jax.jit(
-            lambda p, t: model.apply(
-                {"params": p},
-                t,
-                train_step.block_segments(t),
-                (t != 0).astype(np.int32),
-                method=RealmModel.embed_doc,
-            )
-        )(state1.params, tokens)
-    )
+    want1 = np.asarray(embed_ref(state1.params, tokens))
     np.testing.assert_allclose(emb1, want1, atol=2e-5)
     assert not np.array_equal(ids0, ids1)  # retrieval follows the new index
 
@@ -199,6 +182,13 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     assert "exceeds refresh.max_staleness" in caplog.text
     manifest = json.load(open(os.path.join(index_dir(workdir), "step_00000005", "manifest.json")))
     assert manifest["num_blocks"] == len(tokens) and manifest["step"] == 5
+
+    # Host-side retrieval (`ask`): newest checkpoint's query embedder + the published index.
+    from realm_jax import serve
+
+    hits = serve.ask(cfg, workdir, "Which earthquake struck Sichuan in 2008?", 3)
+    titles = prepare.load_blocks(data_dir)[2]
+    assert len(hits) == 3 and all(title in titles for title, _, _ in hits)
 
 
 def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
