@@ -13,16 +13,6 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def target_log_probs(logits: Array, targets: Array) -> Array:
-    """log softmax(logits)[target] without materialising the log-softmax.
-
-    logits [..., V], targets [...] -> [...].
-    """
-    logits = logits.astype(jnp.float32)
-    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return gold - jax.nn.logsumexp(logits, axis=-1)
-
-
 def marginal_loss(relevance: Array, mlm_logits: Array, targets: Array, weights: Array):
     """REALM marginal loss and metrics.
 
@@ -32,16 +22,19 @@ def marginal_loss(relevance: Array, mlm_logits: Array, targets: Array, weights: 
     weights = weights.astype(jnp.float32)
     num_targets = jnp.maximum(weights.sum(), 1.0)
     log_pz = jax.nn.log_softmax(relevance.astype(jnp.float32), axis=-1)  # [B, K]
-    tgt = jnp.broadcast_to(targets[:, None, :], mlm_logits.shape[:-1])
-    log_py = target_log_probs(mlm_logits, tgt)  # [B, K, P]
+    # One log-softmax over the vocabulary serves the loss and the accuracy metric.
+    log_p_vocab = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)  # [B, K, P, V]
+    tgt = jnp.broadcast_to(targets[:, None, :, None], mlm_logits.shape[:-1] + (1,))
+    log_py = jnp.take_along_axis(log_p_vocab, tgt, axis=-1)[..., 0]  # [B, K, P]
     marginal = jax.nn.logsumexp(log_pz[:, :, None] + log_py, axis=1)  # [B, P]
     loss = -(marginal * weights).sum() / num_targets
 
-    # Prediction = argmax of the marginal distribution over the vocabulary.
-    log_p_vocab = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)
-    marginal_vocab = jax.nn.logsumexp(log_pz[:, :, None, None] + log_p_vocab, axis=1)  # [B,P,V]
+    # Prediction = argmax of the marginal distribution over the vocabulary (no gradient).
+    marginal_vocab = jax.nn.logsumexp(
+        jax.lax.stop_gradient(log_pz[:, :, None, None] + log_p_vocab), axis=1
+    )  # [B, P, V]
     correct = (jnp.argmax(marginal_vocab, axis=-1) == targets).astype(jnp.float32)
-    null_log_py = log_py[:, 0] + 0.0  # the null document's p(y | x, null) [B, P]
+    null_log_py = log_py[:, 0]  # the null document's log p(y | x, null) [B, P]
     pz = jnp.exp(log_pz)
     metrics = {
         "loss": loss,
