@@ -81,8 +81,7 @@ class IndexFeed:
     def _load_published(self, step: int, path: str) -> None:
         t0 = time.time()
         host = index.load_embeddings(path)
-        emb, _ = pad_index(host, np.zeros((len(host), 1), np.int32), self.mesh)
-        new = sharding.put_rows(emb, self.mesh)
+        new = sharding.put_rows(sharding.pad_rows(host.astype(np.float32), self.mesh), self.mesh)
         new.block_until_ready()
         self.emb, self.step = new, step
         self.last_swap_seconds = time.time() - t0

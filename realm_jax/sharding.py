@@ -113,6 +113,16 @@ def padded_rows(num_rows: int, mesh: Mesh) -> int:
     return -(-num_rows // n) * n
 
 
+def pad_rows(array: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Zero rows appended to [N, ...] so every device holds the same number of rows."""
+    n = padded_rows(array.shape[0], mesh)
+    if n == array.shape[0]:
+        return array
+    out = np.zeros((n, *array.shape[1:]), array.dtype)
+    out[: array.shape[0]] = array
+    return out
+
+
 def put_rows(array: np.ndarray, mesh: Mesh) -> jax.Array:
     """Put a host [N, ...] array (already padded) on the mesh, sharded by rows.
 

@@ -385,12 +385,7 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
 
 
 def pad_index(emb: np.ndarray | None, tokens: np.ndarray, mesh: Mesh):
-    """Pad [N, ...] host arrays with zero rows so every device holds the same count."""
-    n = sharding.padded_rows(tokens.shape[0], mesh)
-    tok = np.zeros((n, tokens.shape[1]), np.int32)
-    tok[: tokens.shape[0]] = tokens
-    if emb is None:
-        return None, tok
-    e = np.zeros((n, emb.shape[1]), np.float32)
-    e[: emb.shape[0]] = emb
-    return e, tok
+    """(embeddings [N, D] float32 or None, tokens [N, Lb] int32) padded with zero rows so
+    every device holds the same number; padded rows are never retrieved (num_valid)."""
+    tok = sharding.pad_rows(np.asarray(tokens, np.int32), mesh)
+    return (None if emb is None else sharding.pad_rows(np.asarray(emb, np.float32), mesh)), tok

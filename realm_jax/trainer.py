@@ -50,6 +50,20 @@ def params_hook(config):
     return hook
 
 
+def check_prepared(config, ddir: str) -> None:
+    """The prepared data must have the lengths the config trains with."""
+    from realm_jax.data import prepare
+
+    built = prepare.load_summary(ddir)["config"]
+    bad = [
+        f"data.{k} is {config.data[k]} but {ddir} was prepared with {built[k]}"
+        for k in ("block_len", "query_len", "max_predictions")
+        if built.get(k) != config.data[k]
+    ]
+    if bad:
+        raise ValueError("; ".join(bad) + ": re-run `realm-jax prepare --overwrite`")
+
+
 class _Stop:
     """Set by SIGTERM/SIGINT (preemption): the loop saves a checkpoint and exits."""
 
@@ -91,12 +105,8 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
     if tc.num_candidates < 2:
         raise ValueError("train.num_candidates must be >= 2 (the null document + 1 retrieved)")
     ddir = data_dir(config, workdir)
+    check_prepared(config, ddir)
     tokens = prepare.load_blocks(ddir)[0]  # [N, Lb]
-    if tokens.shape[1] != config.data.block_len:
-        raise ValueError(
-            f"{ddir}: blocks are {tokens.shape[1]} long but data.block_len is "
-            f"{config.data.block_len}; re-run prepare"
-        )
     log.info(
         "mesh %s over %d devices (%d processes); %d blocks",
         dict(mesh.shape),

@@ -235,3 +235,9 @@ def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
     exact = np.argsort(-(q @ emb.T), axis=1)[:, :10]
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, exact)])
     assert len(tokens) > 500 and recall >= 0.95, recall
+
+
+def test_config_that_does_not_match_prepared_data_is_refused(data_dir, tmp_path):
+    cfg = config(f"data.data_dir={data_dir}", "data.query_len=40")
+    with pytest.raises(ValueError, match="data.query_len is 40 but .* prepared with 32"):
+        trainer.train(cfg, str(tmp_path))
