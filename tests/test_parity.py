@@ -179,3 +179,17 @@ def test_import_errors_name_the_tensor(tmp_path):
     with pytest.raises(weights.WeightImportError, match="pickles are never loaded"):
         weights.embedder_params(str(tmp_path))
     json.loads((tmp_path / "config.json").read_text())
+
+
+def test_tokenizer_matches_hf_tokenizer_ids():
+    from realm_jax import tokenization
+
+    ref = np.load(shared_path("reference", "bert_tiny_mlm_reference.npz"))
+    sents = [
+        "The capital of France is [MASK].",
+        "Denver Broncos won [MASK] 50 in February 2016 at Levi's Stadium.",
+    ]
+    enc = tokenization.wordpieces(sents)
+    for e, row in zip(enc, ref["input_ids"]):
+        want = [int(i) for i in row if i != 0]
+        assert tokenization.query_ids(e.ids, 64) == want

@@ -204,3 +204,30 @@ def test_dropout_is_off_in_eval_and_keyed_in_training():
     c = run(train=True, rngs={"dropout": jax.random.key(2)})
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c) and not np.allclose(a, run())
+
+
+def test_bfloat16_compute_tracks_float32():
+    from realm_jax.models import ModelConfig, RealmModel
+
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 60, (2, 8)), jnp.int32)
+    t = (ids, jnp.zeros_like(ids), jnp.ones_like(ids))
+    pos = jnp.ones((2, 2), jnp.int32)
+    f32 = RealmModel(ModelConfig(**kw))
+    params = f32.init(jax.random.key(0), t, t, t, pos, t[2])["params"]
+    bf16 = RealmModel(ModelConfig(**kw, dtype="bfloat16"))
+    a = f32.apply({"params": params}, *t, pos, method=RealmModel.mlm_logits)
+    b = bf16.apply({"params": params}, *t, pos, method=RealmModel.mlm_logits)
+    assert b.dtype == jnp.float32  # logits are returned in float32
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.1)
+    assert not np.array_equal(np.asarray(b), np.asarray(a))  # really computed in bfloat16
+    qa = f32.apply({"params": params}, *t, method=RealmModel.embed_query)
+    qb = bf16.apply({"params": params}, *t, method=RealmModel.embed_query)
+    np.testing.assert_allclose(np.asarray(qb), np.asarray(qa), atol=0.15)
