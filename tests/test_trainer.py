@@ -62,37 +62,43 @@ def _losses(history):
     return {h["step"]: h["loss"] for h in history}
 
 
-def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
-    cfg = config(f"data.data_dir={data_dir}")
-    full = _losses(trainer.train(cfg, str(tmp_path / "full")))
-    assert sorted(full) == list(range(1, 25))
-    events = os.listdir(tmp_path / "full" / "tb")
-    assert any(e.startswith("events.out.tfevents") for e in events), events
-
-    killed = str(tmp_path / "killed")
-    cmd = [
-        sys.executable,
-        "-m",
-        "realm_jax",
-        "train",
-        "--config",
-        os.path.join(REPO, "configs", "realm.py") + ":smoke",
-        "--workdir",
-        killed,
-        *[f"--config.{o}" for o in OVERRIDES],
-        f"--config.data.data_dir={data_dir}",
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    mgr = checkpoint.manager(killed, with_data=False, read_only=True)
-    deadline = time.time() + 300
+def _kill_after_checkpoint(proc, workdir: str, step: int) -> None:
+    """SIGKILL `proc` as soon as a finished checkpoint >= step exists in workdir."""
+    mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
+    deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if os.path.isdir(checkpoint.checkpoint_dir(killed)):
+        if os.path.isdir(checkpoint.checkpoint_dir(workdir)):
             mgr.reload()
-            if any(s >= 4 for s in mgr.all_steps()):
+            if any(s >= step for s in mgr.all_steps()):
                 break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
+    import threading
+
+    cfg = config(f"data.data_dir={data_dir}")
+    killed = str(tmp_path / "killed")
+    cmd = [
+        *(sys.executable, "-m", "realm_jax", "train", "--workdir", killed),
+        *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
+        *[f"--config.{o}" for o in OVERRIDES],
+        f"--config.data.data_dir={data_dir}",
+    ]
+    with open(tmp_path / "killed.log", "wb") as log:  # the run to kill, in the background
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    killer = threading.Thread(target=_kill_after_checkpoint, args=(proc, killed, 4))
+    killer.start()
+
+    full = _losses(trainer.train(cfg, str(tmp_path / "full")))  # the uninterrupted run
+    assert sorted(full) == list(range(1, 25))
+    events = os.listdir(tmp_path / "full" / "tb")
+    assert any(e.startswith("events.out.tfevents") for e in events), events
+
+    killer.join()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
     resumed = _losses(trainer.train(cfg, killed))
     first = min(resumed)
     assert 4 < first <= 24, f"the resumed run started at step {first}"
@@ -119,8 +125,13 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     workdir = str(tmp_path)
     tokens = prepare.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state0, shardings = train_step.create_state(cfg, mesh, jax.random.key(0))
-    _, _, state1, _ = train_step.create_state(cfg, mesh, jax.random.key(1))
+    model, _, state0, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    noise = jax.random.key(1)  # new document embedder parameters for the second checkpoint
+    state1 = state0.replace(
+        params=jax.tree.map(
+            lambda p: p + 0.05 * jax.random.normal(noise, p.shape, p.dtype), state0.params
+        )
+    )
     mgr = checkpoint.manager(workdir, with_data=False)
     checkpoint.save(mgr, 0, state0)
     mgr.wait_until_finished()
