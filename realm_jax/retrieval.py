@@ -5,8 +5,9 @@ of all devices are gathered and merged (shard_map). The same pass fetches the re
 blocks' token ids from the row-sharded token table: each device contributes the rows it owns
 and a psum assembles them. We keep tokens on device rather than fetching them on the host
 between two jitted calls. Measured (bench/token_fetch.py, docs/benchmarks.md): on 8 fake CPU
-devices with a SQuAD-sized table (19,706 x 288) both paths cost the same (12.9 vs 12.1 ms per batch of 64), as
-expected where host and device share memory; so the choice rests on what the host path adds on
+devices with a SQuAD-sized table (19,706 x 288) both paths cost the same (12.9 vs 12.1 ms per
+batch of 64), as expected where host and device share memory; so the choice rests on what the
+host path adds on
 an accelerator pod: a device->host->device round trip inside every step, the step split into
 two programs, and every host holding the whole token table. On device the table costs
 int32 x block_len per row spread over all devices (13.35M x 288 blocks is 15 GB, 30 MB per
