@@ -56,6 +56,32 @@ def restore(mgr, step: int, abstract_state, data_restore_args=None):
     return out["state"]
 
 
+def restore_latest(mgr, abstract_state, data_restore_args_fn=None):
+    """(step, state) from the newest checkpoint that restores; None when there is none.
+
+    A damaged checkpoint (truncated or missing files) is reported and the next older one is
+    tried, so a crash that corrupted the last save loses only the steps since the one before.
+    """
+    steps = sorted(mgr.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+        try:
+            data_args = data_restore_args_fn() if data_restore_args_fn else None
+            return step, restore(mgr, step, abstract_state, data_args)
+        except Exception as e:  # orbax/tensorstore raise various types for damaged files
+            older = f"; trying checkpoint {steps[i + 1]}" if i + 1 < len(steps) else ""
+            log.error(
+                "checkpoint %d in %s cannot be restored (%s: %s)%s",
+                step,
+                mgr.directory,
+                type(e).__name__,
+                str(e)[:300],
+                older,
+            )
+    if steps:
+        raise RuntimeError(f"no checkpoint in {mgr.directory} could be restored (tried {steps})")
+    return None
+
+
 def restore_params_subtree(mgr, step: int, name: str, abstract_subtree):
     """Only params[name] (no optimizer state) from checkpoint `step`: a partial restore."""
     target = {"params": {name: abstract_subtree}}

@@ -123,14 +123,11 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
         config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
     )
     it = iter(loader)
-    start = mgr.latest_step()
-    if start is not None:
-        state = checkpoint.restore(
-            mgr,
-            start,
-            checkpoint.abstract_like(state, shardings),
-            pipeline.iterator_restore_args(it),
-        )
+    restored = checkpoint.restore_latest(
+        mgr, checkpoint.abstract_like(state, shardings), lambda: pipeline.iterator_restore_args(it)
+    )
+    if restored is not None:
+        start, state = restored
         log.info("resumed from checkpoint %d", start)
     else:
         start = 0
