@@ -252,3 +252,40 @@ def test_config_that_does_not_match_prepared_data_is_refused(data_dir, tmp_path)
     cfg = config(f"data.data_dir={data_dir}", "data.query_len=40")
     with pytest.raises(ValueError, match="data.query_len is 40 but .* prepared with 32"):
         trainer.train(cfg, str(tmp_path))
+
+
+def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
+    """The refresh job as on a pod: 2 jax.distributed processes embed their shares, process 0
+    publishes; the embeddings equal a one-process embedding of every block."""
+    import portpicker
+
+    overrides = [*OVERRIDES, f"data.data_dir={data_dir}", "refresh.build_scann=false"]
+    cfg = config(*overrides[len(OVERRIDES) :])
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(3))
+    mgr = checkpoint.manager(str(tmp_path), with_data=False)
+    checkpoint.save(mgr, 0, state)
+    mgr.wait_until_finished()
+    port = portpicker.pick_unused_port()
+    worker = os.path.join(REPO, "tests", "refresh_worker.py")
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(port), str(i), str(tmp_path), data_dir, *overrides],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    assert "PUBLISHED -" in outs[1] and "PUBLISHED " + index_dir(str(tmp_path)) in outs[0]
+    tokens = prepare.load_blocks(data_dir)[0]
+    step, path = index.latest_valid(index_dir(str(tmp_path)), expected_num_blocks=len(tokens))
+    want = jax.jit(lambda p, t: train_step.embed_block_tokens(model, p, t))(state.params, tokens)
+    np.testing.assert_allclose(index.load_embeddings(path), np.asarray(want), atol=2e-5)
+    assert step == 0
