@@ -72,9 +72,7 @@ def main() -> None:
     stop = threading.Event()
 
     # Embedding throughput (second call: compiled).
-    abstract = refresher.abstract
     params = {refresher.name: state.params[refresher.name]}
-    del abstract
     refresher.embed(params, refresher.tokens).block_until_ready()
     t0 = time.perf_counter()
     refresher.embed(params, refresher.tokens).block_until_ready()

@@ -34,7 +34,6 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
-    import jax.numpy as jnp
     import ml_collections
     import numpy as np
     from _report import write_section
@@ -90,7 +89,6 @@ def main() -> None:
     )
     print(body)
     write_section("Retrieved-token fetch", body)
-    del jnp
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 
 from realm_jax import checkpoint, index, sharding
 from realm_jax.models import ModelConfig, RealmModel, doc_embedder_name
-from realm_jax.train_step import embed_blocks_fn, init_inputs, joint_len, pad_index
+from realm_jax.train_step import abstract_params, embed_blocks_fn, pad_index
 
 log = logging.getLogger("realm_jax.refresh")
 
@@ -158,25 +158,14 @@ class Refresher:
     def __init__(self, config, workdir: str, tokens: np.ndarray, mesh=None):
         self.config, self.workdir = config, workdir
         self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
-        self.cfg = ModelConfig.from_config(config.model)
-        self.model = RealmModel(self.cfg)
-        self.name = doc_embedder_name(self.cfg)
+        self.name = doc_embedder_name(ModelConfig.from_config(config.model))
+        self.model, self.abstract = abstract_params(config, self.mesh, self.name)
         self.num_blocks = tokens.shape[0]
         _, tok = pad_index(None, tokens, self.mesh)
         self.tokens = sharding.put_rows(tok, self.mesh)
         self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
-        self.abstract = self._abstract_subtree()
         self.dir = index_dir(workdir)
         os.makedirs(self.dir, exist_ok=True)
-
-    def _abstract_subtree(self):
-        from flax import linen as nn
-
-        d = self.config.data
-        inputs = init_inputs(self.cfg, d.query_len, d.block_len, joint_len(self.config))
-        boxed = jax.eval_shape(lambda r: self.model.init(r, *inputs)["params"], jax.random.key(0))
-        shard = sharding.logical_shardings(self.mesh, boxed)
-        return checkpoint.abstract_like(nn.meta.unbox(boxed)[self.name], shard[self.name])
 
     def refresh_once(self, mgr, step: int) -> str:
         """Embed the corpus with checkpoint `step`'s document embedder and publish it."""

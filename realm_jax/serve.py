@@ -12,24 +12,14 @@ import jax
 import numpy as np
 
 from realm_jax import checkpoint, index, sharding
-from realm_jax.models import ModelConfig, RealmModel
+from realm_jax.models import RealmModel
 from realm_jax.tokenization import encode_query
 
 
 def _query_params(config, workdir: str, mesh):
-    from flax import linen as nn
+    from realm_jax.train_step import abstract_params
 
-    from realm_jax.train_step import init_inputs, joint_len
-
-    cfg = ModelConfig.from_config(config.model)
-    model = RealmModel(cfg)
-    d = config.data
-    inputs = init_inputs(cfg, d.query_len, d.block_len, joint_len(config))
-    boxed = jax.eval_shape(lambda r: model.init(r, *inputs)["params"], jax.random.key(0))
-    shard = sharding.logical_shardings(mesh, boxed)
-    abstract = checkpoint.abstract_like(
-        nn.meta.unbox(boxed)["query_embedder"], shard["query_embedder"]
-    )
+    model, abstract = abstract_params(config, mesh, "query_embedder")
     mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
     step = mgr.latest_step()
     if step is None:

@@ -18,7 +18,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax import losses, retrieval, sharding
+from realm_jax import checkpoint, losses, retrieval, sharding
 from realm_jax.models import ModelConfig, RealmModel
 from realm_jax.tokenization import SEP_ID
 
@@ -125,6 +125,19 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
             opt_state=jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params),
         )
     return model, optimizer, state, shardings
+
+
+def abstract_params(config, mesh: Mesh, name: str):
+    """(model, ShapeDtypeStructs of params[name] carrying their mesh shardings): the target of
+    a partial restore of one network (the refresher's document embedder, `ask`'s query
+    embedder), computed without initialising anything."""
+    mcfg = ModelConfig.from_config(config.model)
+    model = RealmModel(mcfg)
+    d = config.data
+    inputs = init_inputs(mcfg, d.query_len, d.block_len, joint_len(config))
+    boxed = jax.eval_shape(lambda r: model.init(r, *inputs)["params"], jax.random.key(0))
+    shard = sharding.logical_shardings(mesh, boxed)
+    return model, checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])
 
 
 def joint_len(config) -> int:

@@ -115,10 +115,11 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
         tokens.shape[0],
     )
 
-    model, optimizer, state, shardings = train_step.create_state(
-        config, mesh, jax.random.key(tc.seed), params_hook(config)
-    )
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
+    hook = None if mgr.all_steps() else params_hook(config)  # a resume restores the weights
+    model, optimizer, state, shardings = train_step.create_state(
+        config, mesh, jax.random.key(tc.seed), hook
+    )
     loader = pipeline.train_loader(
         config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
     )

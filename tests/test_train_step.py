@@ -79,7 +79,6 @@ def test_shard_map_search_scores_match_numpy():
 
 
 def test_joint_input_matches_python_format():
-    rng = np.random.default_rng(0)
     q_raw, title, body = [5, 6, 7], [8, 9], [10, 11, 12, 13]
     q = tokenization.pad_to(tokenization.query_ids(q_raw, 8), 8)[None]
     blk, _ = tokenization.block_ids(title, body, 10)
@@ -90,7 +89,6 @@ def test_joint_input_matches_python_format():
     np.testing.assert_array_equal(np.asarray(segs)[0, 1], tokenization.pad_to(want_seg, 16))
     np.testing.assert_array_equal(np.asarray(ids)[0, 0], q[0].tolist() + [0] * 8)  # null doc
     assert np.asarray(mask)[0, 0].sum() == 5
-    del rng
 
 
 def test_marginal_loss_hand_computed():
