@@ -253,9 +253,13 @@ def realm_loss(
     num_candidates: int,
     num_valid: int,
     length: int,
+    vocab_chunk: int = 0,
     rng=None,
 ):
-    """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given."""
+    """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
+
+    vocab_chunk: vocabulary rows per step of the fused MLM softmax (losses.fused_marginal_loss;
+    0 = the whole vocabulary at once)."""
     _, relevance, cands, ids = retrieve(
         params,
         batch,
@@ -270,18 +274,24 @@ def realm_loss(
     B, K, _ = cands.shape
     j_ids, j_segs, j_mask = build_joint(batch["query_ids"], cands, length)
     positions = jnp.repeat(batch["mlm_positions"], K, axis=0)  # [B*K, P]
-    logits = model.apply(
+    features, table, bias = model.apply(
         {"params": params},
         j_ids.reshape(B * K, length),
         j_segs.reshape(B * K, length),
         j_mask.reshape(B * K, length),
         positions,
-        method=RealmModel.mlm_logits,
+        method=RealmModel.mlm_features,
         **_dropout(rng, 2),
     )
-    logits = logits.reshape(B, K, *logits.shape[1:])  # [B, K, P, V]
-    loss, metrics = losses.marginal_loss(
-        relevance, logits, batch["mlm_targets"], batch["mlm_weights"]
+    features = features.reshape(B, K, *features.shape[1:])  # [B, K, P, H]
+    loss, metrics = losses.fused_marginal_loss(
+        relevance,
+        features,
+        table,
+        bias,
+        batch["mlm_targets"],
+        batch["mlm_weights"],
+        chunk=vocab_chunk,
     )
     metrics["retrieved_ids"] = ids
     return loss, metrics
@@ -300,6 +310,7 @@ def train_step(
     num_candidates,
     num_valid,
     length,
+    vocab_chunk: int = 0,
     seed: int = 0,
 ):
     """One optimizer step; returns (new state, metrics)."""
@@ -313,6 +324,7 @@ def train_step(
         num_candidates=num_candidates,
         num_valid=num_valid,
         length=length,
+        vocab_chunk=vocab_chunk,
         rng=rng,
     )
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -338,6 +350,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         num_candidates=config.train.num_candidates,
         num_valid=num_valid,
         length=joint_len(config),
+        vocab_chunk=config.train.mlm_vocab_chunk,
         seed=config.train.seed,
     )
     rows = sharding.rows_sharding(mesh)
@@ -364,6 +377,7 @@ def compile_loss(config, mesh: Mesh, model, num_valid: int):
         num_candidates=config.train.num_candidates,
         num_valid=num_valid,
         length=joint_len(config),
+        vocab_chunk=config.train.mlm_vocab_chunk,
     )
     return jax.jit(lambda *a: fn(*a)[1], out_shardings=NamedSharding(mesh, P()))
 

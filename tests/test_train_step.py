@@ -111,6 +111,55 @@ def test_marginal_loss_hand_computed():
     assert float(m["accuracy"]) == 0.0  # y=1 has the largest marginal probability
 
 
+@pytest.mark.parametrize("chunk", [0, 7, 16, 64])
+def test_fused_marginal_loss_matches_materialised_logits(chunk):
+    """The chunked MLM softmax (never holding [B, K, P, V]) against marginal_loss on dense
+    logits: loss, every metric and the gradients of relevance, features, table and bias.
+    V = 50 is not a multiple of the chunks, so the padded last chunk is exercised."""
+    rng = np.random.default_rng(0)
+    B, K, P, H, V = 3, 4, 5, 8, 50
+    rel = jnp.asarray(rng.normal(size=(B, K)), jnp.float32)
+    feats = jnp.asarray(rng.normal(size=(B, K, P, H)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(V, H)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(V,)), jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, V, (B, P)), jnp.int32).at[0, 0].set(V - 1)
+    w = jnp.asarray(rng.random((B, P)) < 0.7, jnp.float32).at[0, 0].set(1.0)
+    # Make some predictions right so that accuracy is neither 0 nor 1.
+    feats = feats.at[:, :, :2].set(3 * table[tgt[:, :2]][:, None])
+
+    def dense(rel, feats, table, bias):
+        logits = jnp.einsum("bkph,vh->bkpv", feats, table) + bias
+        return losses.marginal_loss(rel, logits, tgt, w)
+
+    def fused(rel, feats, table, bias):
+        return losses.fused_marginal_loss(rel, feats, table, bias, tgt, w, chunk)
+
+    args = (rel, feats, table, bias)
+    (l1, m1), g1 = jax.value_and_grad(dense, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    (l2, m2), g2 = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    assert 0 < float(m1["accuracy"]) < 1
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+    for k in m1:
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(g2, g1):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_keeps_the_rate_and_is_unbiased():
+    from realm_jax.models import Dropout
+
+    x = jnp.ones((64, 1001), jnp.float32)  # odd last dim: the 16-bit halves are sliced
+    for rate in (0.1, 0.5):
+        y = np.asarray(Dropout(rate).apply({}, x, False, rngs={"dropout": jax.random.key(3)}))
+        dropped = (y == 0).mean()
+        # 64,064 Bernoulli draws: 5 standard deviations of the dropped fraction.
+        assert abs(dropped - rate) < 5 * np.sqrt(rate * (1 - rate) / y.size), (rate, dropped)
+        kept = y[y != 0]
+        np.testing.assert_allclose(kept, 65536 / (65536 - round(rate * 65536)), rtol=1e-6)
+        assert abs(y.mean() - 1.0) < 5 * np.sqrt(rate / (1 - rate) / y.size)
+    np.testing.assert_array_equal(Dropout(0.1).apply({}, x, True), x)  # eval: identity
+
+
 @pytest.fixture(scope="module")
 def step8(setup):
     """One compiled train step on the 8-device mesh (compiled once for the module)."""
