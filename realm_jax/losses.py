@@ -60,11 +60,12 @@ def _marginal_metrics(log_pz, log_py, predicted, targets, weights):
 #
 # REALM scores every masked position against every candidate: B*K*P rows of vocab-sized
 # logits, 39 MB in float32 at the smoke size (8 x 4 x 10 rows) and 5 GB at REALM's batch 512,
-# K 8, P 10 (spread over the devices). Materialising them, their log-softmax and their
-# gradient dominated the smoke step on XLA:CPU (profiled). The functions below never hold
-# them: the vocabulary is walked `chunk` rows at a time with a running max/sum for the
-# log-normaliser, and the backward pass recomputes each chunk's logits (as flash attention
-# does for its scores). The accuracy metric's marginal argmax is a second chunked pass.
+# K 8, P 10 (spread over the devices), plus as much again for their log-softmax and gradient.
+# The functions below never hold them: the vocabulary is walked `chunk` rows at a time with a
+# running max/sum for the log-normaliser, and the backward pass recomputes each chunk's logits
+# (as flash attention does for its scores). The accuracy metric's marginal argmax is a second
+# chunked pass. The point is memory; on XLA:CPU it is also faster than materialising
+# (bench/train_throughput.py, the -dense-mlm rows; train.mlm_vocab_chunk=-1 selects that path).
 
 
 def _vocab_chunk(table: Array, bias: Array, i: Array, c: int):

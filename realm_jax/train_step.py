@@ -259,7 +259,7 @@ def realm_loss(
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
 
     vocab_chunk: vocabulary rows per step of the fused MLM softmax (losses.fused_marginal_loss;
-    0 = the whole vocabulary at once)."""
+    0 = the whole vocabulary at once; -1 = materialise the logits, losses.marginal_loss)."""
     _, relevance, cands, ids = retrieve(
         params,
         batch,
@@ -284,15 +284,15 @@ def realm_loss(
         **_dropout(rng, 2),
     )
     features = features.reshape(B, K, *features.shape[1:])  # [B, K, P, H]
-    loss, metrics = losses.fused_marginal_loss(
-        relevance,
-        features,
-        table,
-        bias,
-        batch["mlm_targets"],
-        batch["mlm_weights"],
-        chunk=vocab_chunk,
-    )
+    targets, weights = batch["mlm_targets"], batch["mlm_weights"]
+    if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
+        logits = jnp.einsum("bkph,vh->bkpv", features, table.astype(features.dtype))
+        logits = logits.astype(jnp.float32) + bias
+        loss, metrics = losses.marginal_loss(relevance, logits, targets, weights)
+    else:
+        loss, metrics = losses.fused_marginal_loss(
+            relevance, features, table, bias, targets, weights, chunk=vocab_chunk
+        )
     metrics["retrieved_ids"] = ids
     return loss, metrics
 

@@ -186,6 +186,20 @@ def test_gradients_reach_all_networks(step8):
     assert np.isfinite(step8["loss"]) and step8["loss"] > 0
 
 
+def test_materialised_logits_path_matches_the_fused_step(setup, step8):
+    """train.mlm_vocab_chunk=-1 (dense [B, K, P, V] logits) gives the step's loss and metrics."""
+    config, mesh, model, _, _, _, emb, _, index, batch = setup
+    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # step8 donated it
+    dense = tiny_config("train.mlm_vocab_chunk=-1")
+    metrics = jax.device_get(
+        train_step.compile_loss(dense, mesh, model, len(emb))(
+            state.params, sharding.global_batch(batch, mesh), *index
+        )
+    )
+    for k in ("loss", "accuracy", "retrieval_utility", "retrieval_entropy"):
+        np.testing.assert_allclose(metrics[k], step8[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_same_loss_on_one_device_and_eight(setup, step8):
     config, _, model, _, _, _, emb, tokens, _, batch = setup
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
