@@ -145,6 +145,29 @@ def test_fused_marginal_loss_matches_materialised_logits(chunk):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+def test_layer_norm_and_its_gradient_match_flax():
+    from flax import linen as nn
+
+    from realm_jax.models import LayerNorm
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 5, 16)) * 3 + 1, jnp.float32)
+    w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)  # a non-uniform cotangent
+    scale = jnp.asarray(rng.normal(size=(16,)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(16,)), jnp.float32)
+    params = {"params": {"scale": scale, "bias": bias}}
+
+    def loss(module):
+        return lambda p, x: (module.apply(p, x) * w).sum()
+
+    ours, ref = LayerNorm(epsilon=1e-12), nn.LayerNorm(epsilon=1e-12)
+    np.testing.assert_allclose(ours.apply(params, x), ref.apply(params, x), atol=2e-6)
+    g_ours = jax.grad(loss(ours), argnums=(0, 1))(params, x)
+    g_ref = jax.grad(loss(ref), argnums=(0, 1))(params, x)
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_dropout_keeps_the_rate_and_is_unbiased():
     from realm_jax.models import Dropout, dropout_keep
 
