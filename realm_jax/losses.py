@@ -69,7 +69,7 @@ def _marginal_metrics(log_pz, log_py, predicted, targets, weights):
 
 
 def _vocab_chunk(table: Array, bias: Array, i: Array, c: int):
-    """Chunk i of the vocabulary as (table rows [c, H], bias [c], mask [c]).
+    """Chunk i of the vocabulary: (table rows [c, H], bias [c], mask [c], first row).
 
     The last chunk is shifted back to end at row V, so no copy of the table is ever padded;
     `mask` is False on the rows an earlier chunk already covered."""
