@@ -220,11 +220,6 @@ class Embeddings(nn.Module):
         x = self.LayerNorm(x).astype(self.cfg.compute_dtype)
         return self.dropout(x, deterministic=not train)
 
-    def attend(self, h: Array) -> Array:
-        """Logits against the word embeddings (the tied MLM decoder)."""
-        table = jnp.asarray(self.word_embeddings.embedding, self.cfg.compute_dtype)
-        return jnp.einsum("...h,vh->...v", h.astype(self.cfg.compute_dtype), table)
-
 
 class SelfAttention(nn.Module):
     cfg: ModelConfig
@@ -321,7 +316,8 @@ class Embedder(nn.Module):
 
 
 class MLMHead(nn.Module):
-    """BERT MLM head: dense + act + LayerNorm, decoder tied to the word embeddings, + bias."""
+    """BERT MLM head: dense + act + LayerNorm (`features`) and the decoder's bias; the decoder
+    itself is the word embeddings (`tied_decoder_logits`)."""
 
     cfg: ModelConfig
 
@@ -337,8 +333,12 @@ class MLMHead(nn.Module):
         h = self.transform_LayerNorm(activation(self.cfg.hidden_act)(h))
         return h.astype(self.cfg.compute_dtype)
 
-    def __call__(self, h: Array, embeddings: Embeddings) -> Array:
-        return embeddings.attend(self.features(h)).astype(jnp.float32) + self.bias
+
+def tied_decoder_logits(features: Array, table: Array, bias: Array) -> Array:
+    """MLM logits [..., V] in float32 from `Reader.mlm_features`' (features [..., H], word
+    embeddings [V, H], bias [V]): the decoder tied to the word embeddings."""
+    logits = jnp.einsum("...h,vh->...v", features, table.astype(features.dtype))
+    return logits.astype(jnp.float32) + bias
 
 
 def span_candidates(length: int, max_width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -383,9 +383,7 @@ class Reader(nn.Module):
 
     def mlm_logits(self, ids, segment_ids, mask, positions, train: bool = False):
         """[N, L] inputs, positions [N, P] -> logits [N, P, vocab] (float32)."""
-        h, _ = self.bert(ids, segment_ids, mask, train)
-        h = jnp.take_along_axis(h, positions[..., None].astype(jnp.int32), axis=1)
-        return self.mlm(h, self.bert.embeddings)
+        return tied_decoder_logits(*self.mlm_features(ids, segment_ids, mask, positions, train))
 
     def mlm_features(self, ids, segment_ids, mask, positions, train: bool = False):
         """What the tied decoder reads, for a loss that never materialises [N, P, vocab]

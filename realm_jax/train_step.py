@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import checkpoint, losses, retrieval, sharding
-from realm_jax.models import ModelConfig, RealmModel
+from realm_jax.models import ModelConfig, RealmModel, tied_decoder_logits
 from realm_jax.tokenization import SEP_ID
 
 
@@ -286,8 +286,7 @@ def realm_loss(
     features = features.reshape(B, K, *features.shape[1:])  # [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
-        logits = jnp.einsum("bkph,vh->bkpv", features, table.astype(features.dtype))
-        logits = logits.astype(jnp.float32) + bias
+        logits = tied_decoder_logits(features, table, bias)
         loss, metrics = losses.marginal_loss(relevance, logits, targets, weights)
     else:
         loss, metrics = losses.fused_marginal_loss(
