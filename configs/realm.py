@@ -97,7 +97,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2
     c.train.adam_eps = 1e-6  # Adam epsilon (BERT)
-    c.train.mlm_vocab_chunk = 512  # vocab rows per fused MLM softmax step; 0 all, -1 dense logits
+    c.train.mlm_vocab_chunk = 2048  # vocab rows per fused MLM softmax step; 0 all, -1 dense logits
     c.train.seed = 0  # parameter init seed
     c.train.log_every = 10 if variant != "base" else 100  # steps between console/TensorBoard logs
     c.train.checkpoint_every = 20 if variant == "smoke" else 500  # steps between orbax saves

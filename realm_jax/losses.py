@@ -61,11 +61,16 @@ def _marginal_metrics(log_pz, log_py, predicted, targets, weights):
 # REALM scores every masked position against every candidate: B*K*P rows of vocab-sized
 # logits, 39 MB in float32 at the smoke size (8 x 4 x 10 rows) and 5 GB at REALM's batch 512,
 # K 8, P 10 (spread over the devices), plus as much again for their log-softmax and gradient.
-# The functions below never hold them: the vocabulary is walked `chunk` rows at a time with a
-# running max/sum for the log-normaliser, and the backward pass recomputes each chunk's logits
-# (as flash attention does for its scores). The accuracy metric's marginal argmax is a second
-# chunked pass. The point is memory; on XLA:CPU it is also faster than materialising
-# (bench/train_throughput.py, the -dense-mlm rows; train.mlm_vocab_chunk=-1 selects that path).
+# `fused_marginal_loss` never holds them. It walks the vocabulary `chunk` rows at a time, twice:
+#   pass 1: the log-normaliser lse [N] of every row (running max and sum, flash-style);
+#   pass 2: each chunk's softmax p = exp(logits - lse), which gives both the accuracy metric
+#           (argmax over v of the marginal sum_k p(z_k|x) p(v|x,z_k)) and, when differentiating,
+#           the whole gradient: d loss / d logit[n, v] = c_n (p[n, v] - [v == y_n]) with
+#           c_n = (w / num_targets) p(z_k | x, y), the candidate's posterior given the target.
+# Because the loss is the root of differentiation, its gradient can be formed in the forward
+# pass (pass 2) and scaled by the incoming cotangent in the backward pass: the logits are
+# computed twice in all, where autodiff of pass 1 plus a separate argmax pass took three
+# (bench/train_throughput.py compares against materialising; train.mlm_vocab_chunk=-1).
 
 
 def _vocab_chunk(table: Array, bias: Array, i: Array, c: int):
@@ -86,85 +91,158 @@ def _num_chunks(v: int, chunk: int) -> tuple[int, int]:
     return c, -(-v // c)
 
 
-def _chunk_logits(h: Array, rows: Array, b: Array, mask: Array) -> Array:
-    logits = jnp.einsum("nh,vh->nv", h, rows.astype(h.dtype), preferred_element_type=jnp.float32)
-    return jnp.where(mask, logits + b, -jnp.inf)
+def _chunk_logits(h_t: Array, rows: Array, b: Array, mask: Array) -> Array:
+    """Transposed logits [c, N] of one chunk from h_t [H, N]. Vocabulary-major, so every
+    matmul of both passes reads its operands in row-major order: on XLA:CPU the transposed
+    operand of N-major layouts ran at a third of the speed (measured, c = 2048, H = 64)."""
+    logits = jnp.einsum(
+        "vh,hn->vn", rows.astype(h_t.dtype), h_t, preferred_element_type=jnp.float32
+    )
+    return jnp.where(mask[:, None], logits + b[:, None], -jnp.inf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _unchunk(stacked: Array, v: int) -> Array:
+    """Per-chunk rows [n, c, ...] -> [v, ...], dropping the rows the shifted last chunk
+    repeats."""
+    n, c = stacked.shape[:2]
+    head = stacked[: n - 1].reshape((n - 1) * c, *stacked.shape[2:])
+    return jnp.concatenate([head, stacked[n - 1, n * c - v :]], axis=0)
+
+
 def vocab_logsumexp(h: Array, table: Array, bias: Array, chunk: int) -> Array:
     """logsumexp_v(h @ table.T + bias) for h [N, H], table [V, H], bias [V] -> [N] float32,
-    walking the vocabulary `chunk` rows at a time (chunk <= 0: all at once)."""
-    return _lse_fwd(h, table, bias, chunk)[0]
-
-
-def _lse_fwd(h, table, bias, chunk):
+    walking the vocabulary `chunk` rows at a time (chunk <= 0: all at once). Pass 1; not
+    differentiable on its own (fused_marginal_loss differentiates the loss as a whole)."""
     c, n = _num_chunks(table.shape[0], chunk)
+    h_t = h.T
 
     def body(carry, i):
         m, s = carry
         rows, b, mask, _ = _vocab_chunk(table, bias, i, c)
-        logits = _chunk_logits(h, rows, b, mask)
-        m_new = jnp.maximum(m, logits.max(-1))
-        s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[:, None]).sum(-1)
+        logits = _chunk_logits(h_t, rows, b, mask)  # [c, N]
+        m_new = jnp.maximum(m, logits.max(0))
+        s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new).sum(0)
         return (m_new, s), None
 
     rows = h.shape[0]
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
     (m, s), _ = jax.lax.scan(body, init, jnp.arange(n))
-    lse = m + jnp.log(s)
-    return lse, (h, table, bias, lse)
+    return m + jnp.log(s)
 
 
-def _lse_bwd(chunk, residuals, g):
-    h, table, bias, lse = residuals
+def _softmax_pass(h, table, bias, lse, pz, coef, chunk):
+    """Pass 2 over the vocabulary. h [N, H] with rows candidate-major, N = K * M for M = B * P
+    (row k * M + m is candidate k of position m); lse [N]; pz [K, M], p(z_k | x) per row.
+
+    Returns (argmax over the vocabulary of the marginal sum_k pz p(v | x, z_k), [M] int32,
+    and with coef [N] given, the softmax part of the gradient: sum_v coef p[:, v] table[v]
+    [N, H], and per vocabulary row sum_n coef p[n, v] h[n] [V, H] and sum_n coef p[n, v] [V],
+    all float32)."""
     c, n = _num_chunks(table.shape[0], chunk)
+    K, M = pz.shape
+    N, H = h.shape
+    f32 = jnp.float32
+    h_t, table_t = h.T, table.T  # [H, N], [H, V]
+
+    def body(carry, i):
+        best, arg, dh_t = carry
+        rows, b, mask, start = _vocab_chunk(table, bias, i, c)
+        p = jnp.exp(_chunk_logits(h_t, rows, b, mask) - lse)  # [c, N]; 0 where masked
+        # The marginal over candidates: K contiguous [c, M] slabs, weighted and added.
+        marginal = sum(p[:, k * M : (k + 1) * M] * pz[k] for k in range(K))  # [c, M]
+        top = marginal.max(0)
+        arg = jnp.where(top > best, marginal.argmax(0).astype(jnp.int32) + start, arg)
+        best = jnp.maximum(best, top)
+        if coef is None:
+            return (best, arg, dh_t), None
+        g = (p * coef).astype(h.dtype)  # [c, N]
+        rows_t = jax.lax.dynamic_slice_in_dim(table_t, start, c, axis=1).astype(h.dtype)
+        dh_t = dh_t + jnp.einsum("hv,vn->hn", rows_t, g, preferred_element_type=f32)
+        dt = jnp.einsum("vn,nh->vh", g, h, preferred_element_type=f32)  # [c, H]
+        return (best, arg, dh_t), (dt, g.astype(f32).sum(1))
+
+    init = (
+        jnp.full((M,), -jnp.inf, f32),
+        jnp.zeros((M,), jnp.int32),
+        jnp.zeros((H, N), f32) if coef is not None else jnp.zeros((), f32),
+    )
+    (_, arg, dh_t), per_chunk = jax.lax.scan(body, init, jnp.arange(n))
+    if coef is None:
+        return arg, None
+    v = table.shape[0]
+    return arg, (dh_t.T, _unchunk(per_chunk[0], v), _unchunk(per_chunk[1], v))
+
+
+def _fused_forward(log_pz, features, table, bias, targets, weights, chunk, with_grad):
+    """(loss, log p(y|x,z) [B, K, P], predicted [B, P]) and, with_grad, the gradient of the
+    loss with respect to (log_pz, features, table, bias)."""
+    B, K, P, H = features.shape
     f32 = jnp.float32
 
-    def body(carry, i):
-        dh, dt, db = carry
-        rows, b, mask, start = _vocab_chunk(table, bias, i, c)
-        p = jnp.exp(_chunk_logits(h, rows, b, mask) - lse[:, None]) * g[:, None]  # [N, c]
-        pc = p.astype(h.dtype)
-        dh = dh + jnp.einsum("nv,vh->nh", pc, rows.astype(h.dtype), preferred_element_type=f32)
-        # Masked (already covered) rows have p = 0, so adding over the overlap is exact.
-        dt_rows = jnp.einsum("nv,nh->vh", pc, h, preferred_element_type=f32)
-        dt = jax.lax.dynamic_update_slice_in_dim(
-            dt, jax.lax.dynamic_slice_in_dim(dt, start, c) + dt_rows, start, 0
-        )
-        db = jax.lax.dynamic_update_slice_in_dim(
-            db, jax.lax.dynamic_slice_in_dim(db, start, c) + p.sum(0), start, 0
-        )
-        return (dh, dt, db), None
+    def rows_first(x):  # [B, K, P, ...] -> candidate-major rows [K * B * P, ...]
+        return jnp.swapaxes(x, 0, 1).reshape(K * B * P, *x.shape[3:])
 
-    init = (jnp.zeros(h.shape, f32), jnp.zeros(table.shape, f32), jnp.zeros(bias.shape, f32))
-    (dh, dt, db), _ = jax.lax.scan(body, init, jnp.arange(n))
-    return dh.astype(h.dtype), dt.astype(table.dtype), db.astype(bias.dtype)
+    h = rows_first(features)  # [N, H]
+    lse = jnp.swapaxes(vocab_logsumexp(h, table, bias, chunk).reshape(K, B, P), 0, 1)
+    tgt_rows = table[targets].astype(features.dtype)  # [B, P, H]
+    target_logits = jnp.einsum(
+        "bkph,bph->bkp", features, tgt_rows, preferred_element_type=f32
+    ) + bias[targets][:, None].astype(f32)
+    log_py = target_logits - lse  # [B, K, P]
+    joint = log_pz[:, :, None] + log_py  # [B, K, P]
+    marginal = jax.nn.logsumexp(joint, axis=1)  # [B, P]
+    w = weights.astype(f32) / jnp.maximum(weights.astype(f32).sum(), 1.0)
+    loss = -(marginal * w).sum()
+    # d loss / d logit[b,k,p,v] = coef[b,k,p] (softmax[v] - [v == target]).
+    coef = jnp.exp(joint - marginal[:, None]) * w[:, None] if with_grad else None  # [B, K, P]
+    pz = jnp.broadcast_to(jnp.exp(log_pz).T[:, :, None], (K, B, P)).reshape(K, B * P)
+    predicted, soft = _softmax_pass(
+        h,
+        table,
+        bias,
+        rows_first(lse[..., None])[:, 0],
+        pz,
+        None if coef is None else rows_first(coef[..., None])[:, 0],
+        chunk,
+    )
+    predicted = predicted.reshape(B, P)
+    if not with_grad:
+        return (loss, log_py, predicted), None
+    dh, dtable, dbias = soft
+    c = rows_first(coef[..., None])  # [N, 1]
+    dh = dh - c * rows_first(jnp.broadcast_to(tgt_rows[:, None], features.shape)).astype(f32)
+    flat_tgt = rows_first(jnp.broadcast_to(targets[:, None, :, None], (B, K, P, 1)))[:, 0]
+    dtable = dtable.at[flat_tgt].add(-c * h.astype(f32))
+    dbias = dbias.at[flat_tgt].add(-c[:, 0])
+    dh = jnp.swapaxes(dh.reshape(K, B, P, H), 0, 1).astype(features.dtype)
+    dlog_pz = -coef.sum(-1)  # d loss / d log p(z|x) [B, K]
+    return (loss, log_py, predicted), (
+        dlog_pz,
+        dh,
+        dtable.astype(table.dtype),
+        dbias.astype(bias.dtype),
+    )
 
 
-vocab_logsumexp.defvjp(_lse_fwd, _lse_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused_mlm(log_pz, features, table, bias, targets, weights, chunk):
+    return _fused_forward(log_pz, features, table, bias, targets, weights, chunk, False)[0]
 
 
-def _marginal_argmax(h: Array, table: Array, bias: Array, offset: Array, chunk: int) -> Array:
-    """argmax_v logsumexp_k(offset[b,k,p] + h[b,k,p] . table[v] + bias[v]) -> [B, P] int32,
-    in vocabulary chunks (forward only: a metric)."""
-    c, n = _num_chunks(table.shape[0], chunk)
-    B, K, P, H = h.shape
-    flat = h.reshape(-1, H)
+def _fused_mlm_fwd(log_pz, features, table, bias, targets, weights, chunk):
+    out, grads = _fused_forward(log_pz, features, table, bias, targets, weights, chunk, True)
+    return out, (grads, weights)
 
-    def body(carry, i):
-        best, arg = carry
-        rows, b, mask, start = _vocab_chunk(table, bias, i, c)
-        logits = _chunk_logits(flat, rows, b, mask).reshape(B, K, P, c) + offset[..., None]
-        marginal = jax.nn.logsumexp(logits, axis=1)  # [B, P, c]
-        top = marginal.max(-1)
-        better = top > best
-        arg = jnp.where(better, marginal.argmax(-1).astype(jnp.int32) + start, arg)
-        return (jnp.maximum(best, top), arg), None
 
-    init = (jnp.full((B, P), -jnp.inf, jnp.float32), jnp.zeros((B, P), jnp.int32))
-    (_, arg), _ = jax.lax.scan(body, init, jnp.arange(n))
-    return arg
+def _fused_mlm_bwd(chunk, residuals, cotangents):
+    """Only the loss is differentiable: log_py and predicted are metrics (the caller stops
+    their gradients), so their cotangents are zero."""
+    grads, weights = residuals
+    g = cotangents[0]
+    return (*(x * g.astype(x.dtype) for x in grads), None, jnp.zeros_like(weights))
+
+
+_fused_mlm.defvjp(_fused_mlm_fwd, _fused_mlm_bwd)
 
 
 def fused_marginal_loss(
@@ -182,21 +260,12 @@ def fused_marginal_loss(
     logits would be features @ table.T + bias. Same loss, gradients and metrics as
     `marginal_loss` on those logits (tested), without materialising [B, K, P, V].
     """
-    B, K, P, H = features.shape
-    lse = vocab_logsumexp(features.reshape(-1, H), table, bias, chunk).reshape(B, K, P)
-    target_logits = jnp.einsum(
-        "bkph,bph->bkp",
-        features,
-        table[targets].astype(features.dtype),
-        preferred_element_type=jnp.float32,
-    ) + bias[targets][:, None].astype(jnp.float32)
-    log_py = target_logits - lse  # [B, K, P]
     log_pz = jax.nn.log_softmax(relevance.astype(jnp.float32), axis=-1)
+    loss, log_py, predicted = _fused_mlm(log_pz, features, table, bias, targets, weights, chunk)
     sg = jax.lax.stop_gradient
-    predicted = _marginal_argmax(
-        sg(features), sg(table), sg(bias), sg(log_pz[:, :, None] - lse), chunk
-    )
-    return _marginal_metrics(log_pz, log_py, predicted, targets, weights)
+    _, metrics = _marginal_metrics(sg(log_pz), sg(log_py), sg(predicted), targets, weights)
+    metrics["loss"] = loss
+    return loss, metrics
 
 
 def _marginal_log_loss(logits: Array, is_correct: Array) -> Array:

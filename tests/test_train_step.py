@@ -143,6 +143,14 @@ def test_fused_marginal_loss_matches_materialised_logits(chunk):
         np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-6, err_msg=k)
     for a, b in zip(g2, g1):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # The forward alone (evaluation: no gradient pass) gives the same metrics...
+    _, m3 = jax.jit(fused)(*args)
+    for k in m1:
+        np.testing.assert_allclose(float(m3[k]), float(m1[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    # ...and the gradient, formed in the forward pass, scales with the incoming cotangent.
+    g3 = jax.grad(lambda *a: -2.5 * fused(*a)[0], argnums=(0, 1, 2, 3))(*args)
+    for a, b in zip(g3, g1):
+        np.testing.assert_allclose(np.asarray(a), -2.5 * np.asarray(b), rtol=1e-4, atol=3e-5)
 
 
 def test_layer_norm_and_its_gradient_match_flax():
