@@ -24,11 +24,12 @@ def realm_step_flops(config, num_blocks: int) -> dict[str, float]:
     """FLOPs of one REALM train step, by part."""
     m, d, t = config.model, config.data, config.train
     b, k = t.batch_size, t.num_candidates
-    lj = d.query_len + d.block_len - 1
+    lq, lj = d.query_len, d.query_len + d.block_len - 1
     parts = {
         "query_embedder": 3 * embedder_flops(m, b, d.query_len),
         "doc_embedder": 3 * embedder_flops(m, b * (k - 1), d.block_len),
-        "reader": 3 * encoder_flops(m, b * k * lj, lj),
+        # K-1 retrieved blocks at the joint length; the null document is the query alone.
+        "reader": 3 * (encoder_flops(m, b * (k - 1) * lj, lj) + encoder_flops(m, b * lq, lq)),
         "mlm_head": 3
         * b
         * k

@@ -6,7 +6,6 @@ Configs are ml_collections ConfigDicts, locked after loading so that a typo in a
 
 from __future__ import annotations
 
-import ast
 import difflib
 import importlib.util
 import os
@@ -78,16 +77,41 @@ def _parse_value(raw: str, current, key: str):
         except ValueError:
             raise ConfigError(f"--config.{key}: expected a number, got {raw!r}") from None
     if isinstance(current, (tuple, list)):
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            raise ConfigError(
-                f"--config.{key}: expected a tuple such as (2, 4), got {raw!r}"
-            ) from None
-        if not isinstance(value, (tuple, list)):
-            value = (value,)
+        value = _parse_tuple(raw)
+        if value is None:
+            raise ConfigError(f"--config.{key}: expected a tuple such as (2, 4), got {raw!r}")
         return type(current)(value)
     return raw
+
+
+def _parse_tuple(raw: str) -> tuple | None:
+    """'(2, 4)', '[8]', '8,' or "('data', 'model')" -> a tuple of ints, floats or strings;
+    None if malformed. Parsed by hand: ast.literal_eval on CPython 3.11.7 can raise
+    SystemError ('AST constructor recursion depth mismatch') while another thread compiles
+    code, which happened here with orbax's background threads alive."""
+    text = raw.strip()
+    if text[:1] in "([":
+        if text[-1:] != {"(": ")", "[": "]"}[text[0]]:
+            return None
+        text = text[1:-1]
+    parts = [p.strip() for p in text.split(",")]
+    if parts and parts[-1] == "" and len(parts) > 1:
+        parts.pop()  # a trailing comma: (8,)
+    items = []
+    for part in parts:
+        if not part:
+            return None
+        if len(part) >= 2 and part[0] == part[-1] and part[0] in "'\"":
+            items.append(part[1:-1])
+            continue
+        try:
+            items.append(int(part))
+        except ValueError:
+            try:
+                items.append(float(part))
+            except ValueError:
+                return None
+    return tuple(items)
 
 
 def apply_override(config: ml_collections.ConfigDict, item: str) -> None:

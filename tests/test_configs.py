@@ -99,6 +99,7 @@ def test_every_field_has_a_comment():
         ("data.masking=random", "data.masking", "random"),  # str
         ("mesh.shape=(2, 4)", "mesh.shape", (2, 4)),  # tuple
         ("mesh.shape=(8,)", "mesh.shape", (8,)),
+        ("mesh.axes=('x', \"y\")", "mesh.axes", ("x", "y")),
         ("--config.model.dtype=bfloat16", "model.dtype", "bfloat16"),  # CLI spelling
     ],
 )

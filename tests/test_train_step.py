@@ -231,6 +231,46 @@ def test_materialised_logits_path_matches_the_fused_step(setup, step8):
         np.testing.assert_allclose(metrics[k], step8[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def test_null_document_read_at_query_length_matches_full_length(setup):
+    """The reader reads the null document as the query alone; reading every candidate as a
+    full-length [CLS] x [SEP] z [SEP] input (the null one padded) gives the same metrics."""
+    from realm_jax.models import RealmModel, tied_decoder_logits
+
+    config, mesh, model, _, _, _, emb, _, index, batch = setup
+    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # step8 donates
+    gb = sharding.global_batch(batch, mesh)
+    K, length = config.train.num_candidates, train_step.joint_len(config)
+
+    def reference(params, batch, *index):
+        _, relevance, cands, _ = train_step.retrieve(
+            params, batch, *index, model=model, mesh=mesh, num_candidates=K, num_valid=len(emb)
+        )
+        B = cands.shape[0]
+        ids, segs, mask = (
+            x.reshape(B * K, length)
+            for x in train_step.build_joint(batch["query_ids"], cands, length)
+        )
+        feats, table, bias = model.apply(
+            {"params": params},
+            ids,
+            segs,
+            mask,
+            jnp.repeat(batch["mlm_positions"], K, axis=0),
+            method=RealmModel.mlm_features,
+        )
+        logits = tied_decoder_logits(feats.reshape(B, K, *feats.shape[1:]), table, bias)
+        return losses.marginal_loss(relevance, logits, batch["mlm_targets"], batch["mlm_weights"])[
+            1
+        ]
+
+    want = jax.device_get(jax.jit(reference)(state.params, gb, *index))
+    got = jax.device_get(
+        train_step.compile_loss(config, mesh, model, len(emb))(state.params, gb, *index)
+    )
+    for k in ("loss", "accuracy", "retrieval_utility", "retrieval_entropy"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_same_loss_on_one_device_and_eight(setup, step8):
     config, _, model, _, _, _, emb, tokens, _, batch = setup
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
