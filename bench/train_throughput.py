@@ -20,6 +20,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "bench"), os.path.join(REPO, "tests")]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from _report import write_section  # noqa: E402
 from flops import realm_step_flops  # noqa: E402
 
@@ -29,17 +30,21 @@ from realm_jax.config_lib import load_config  # noqa: E402
 NUM_BLOCKS = 4096
 
 
-def matmul_peak(n: int = 2048, reps: int = 10) -> float:
-    """Measured float32 matmul FLOP/s on the default device."""
-    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
+def best_seconds(f, *args, reps: int = 10) -> float:
+    """Best wall time of f(*args) over reps calls, after one call to compile."""
+    jax.block_until_ready(f(*args))
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        f(a).block_until_ready()
+        jax.block_until_ready(f(*args))
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return best
+
+
+def matmul_peak(n: int = 2048, reps: int = 10) -> float:
+    """Measured float32 matmul FLOP/s on the default device."""
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+    return 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a, reps=reps)
 
 
 def synthetic(config, rng):
@@ -111,6 +116,69 @@ SIZES = {
 }
 
 
+def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, float, float]]:
+    """Each part of the step alone, forward + backward, jitted on its own: (name, best
+    seconds, FLOPs counted as in bench/flops.py). Shows where a step's time goes without the
+    overlap of a profile of the whole step."""
+    from realm_jax import losses
+    from realm_jax.models import RealmModel
+
+    config = load_config(os.path.join(REPO, f"configs/realm.py:{variant}"), overrides)
+    mesh = sharding.make_mesh(config.mesh)
+    model, opt, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
+    _, tokens, batch = synthetic(config, np.random.default_rng(0))
+    t = config.train
+    b, k = t.batch_size, t.num_candidates
+    q = jnp.asarray(batch["query_ids"])
+    blocks = jnp.asarray(tokens[: b * (k - 1)])
+    cands = jnp.concatenate([jnp.zeros_like(blocks[:b])[:, None], blocks.reshape(b, k - 1, -1)], 1)
+    pos = jnp.asarray(batch["mlm_positions"])
+    length = train_step.joint_len(config)
+
+    def grad_of(f):
+        return jax.jit(jax.grad(lambda p: (f(p) ** 2).sum()))
+
+    def embed(method, ids):
+        return lambda p: model.apply(
+            {"params": p}, ids, jnp.zeros_like(ids), (ids != 0).astype(jnp.int32), method=method
+        )
+
+    feats = train_step.read_candidates(model, state.params, q, cands, pos, length)
+    vocab_args = (jnp.zeros((b, k)), *feats, jnp.asarray(batch["mlm_targets"]))
+    vocab = jax.jit(
+        jax.grad(
+            lambda r, f, tb, bi, tg: losses.fused_marginal_loss(
+                r, f, tb, bi, tg, jnp.ones(tg.shape), t.mlm_vocab_chunk
+            )[0],
+            argnums=(0, 1, 2, 3),
+        )
+    )
+    grads = jax.tree.map(lambda x: x * 1e-3, state.params)
+    update = jax.jit(lambda g, s, p: optax.apply_updates(p, opt.update(g, s, p)[0]))
+    fl = realm_step_flops(config, NUM_BLOCKS)
+    params = state.params
+    rows = [
+        ("query embedder", grad_of(embed(RealmModel.embed_query, q)), (params,), "query_embedder"),
+        (
+            "document embedder",
+            grad_of(embed(RealmModel.embed_doc, blocks)),
+            (params,),
+            "doc_embedder",
+        ),
+        (
+            "reader (features at the masked positions)",
+            grad_of(lambda p: train_step.read_candidates(model, p, q, cands, pos, length)[0]),
+            (params,),
+            "reader",
+        ),
+        ("MLM vocabulary softmax + marginal (fused)", vocab, vocab_args, "mlm_head"),
+        ("AdamW update", update, (grads, state.opt_state, params), None),
+    ]
+    return [
+        (name, best_seconds(f, *a, reps=reps), fl[key] if key else 0.0) for name, f, a, key in rows
+    ]
+
+
 def dropout_masks(reps: int = 15) -> tuple[float, float]:
     """Best seconds for one [32, 4, 175, 175] attention-dropout mask (the 4x256 reader's):
     flax-style Bernoulli (a threefry word per element) and realm_jax's hashed mask."""
@@ -122,16 +190,9 @@ def dropout_masks(reps: int = 15) -> tuple[float, float]:
         "bernoulli": lambda k, x: jnp.where(jax.random.bernoulli(k, 0.9, shape), x / 0.9, 0),
         "hashed": lambda k, x: jnp.where(dropout_keep(k, shape, 0.1), x / 0.9, 0),
     }
-    best = {}
-    for name, fn in fns.items():
-        f = jax.jit(fn)
-        f(jax.random.key(0), x).block_until_ready()
-        times = []
-        for i in range(reps):
-            t0 = time.perf_counter()
-            f(jax.random.key(i), x).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
+    best = {
+        name: best_seconds(jax.jit(fn), jax.random.key(0), x, reps=reps) for name, fn in fns.items()
+    }
     return best["bernoulli"], best["hashed"]
 
 
@@ -177,6 +238,21 @@ def main() -> None:
         f"hashed mask (models.dropout_keep) {hashed * 1e3:.1f} ms: {bern / hashed:.0f}x faster"
     )
     print("\n".join(ratios))
+    breakdown = []
+    for name in ("smoke", "small"):
+        if name not in best:
+            continue
+        got = parts(*SIZES[name])
+        breakdown.append(
+            f"\n\n{name} ({best[name] * 1e3:.0f} ms per whole step above): each part alone, "
+            "forward + backward, no dropout\n\n"
+            "| part | ms | GFLOP | GFLOP/s | of the matmul peak |\n|---|---|---|---|---|"
+        )
+        for part, sec, flops in got:
+            rate = f"{flops / sec / 1e9:.1f} | {100 * flops / sec / p:.0f}%" if flops else "- | -"
+            breakdown.append(f"| {part} | {sec * 1e3:.1f} | {flops / 1e9:.2f} | {rate} |")
+        breakdown.append(f"| sum of the parts | {sum(g[1] for g in got) * 1e3:.1f} | | | |")
+        print("\n".join(breakdown[-len(got) - 2 :]))
     body = (
         f"Device: {jax.devices()[0].device_kind} x {jax.device_count()} (JAX {jax.__version__}); "
         f"{args.steps} steps timed one by one after compilation; synthetic batch and a "
@@ -195,6 +271,8 @@ def main() -> None:
         + "\n".join(rows)
         + "\n\nSide by side in the same run:\n\n"
         + "\n".join(ratios)
+        + "\n\nWhere a step's time goes, from the same run:"
+        + "\n".join(breakdown)
     )
     write_section("Train step throughput", body)
 

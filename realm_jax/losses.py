@@ -111,8 +111,8 @@ def _unchunk(stacked: Array, v: int) -> Array:
 
 def vocab_logsumexp(h: Array, table: Array, bias: Array, chunk: int) -> Array:
     """logsumexp_v(h @ table.T + bias) for h [N, H], table [V, H], bias [V] -> [N] float32,
-    walking the vocabulary `chunk` rows at a time (chunk <= 0: all at once). Pass 1; not
-    differentiable on its own (fused_marginal_loss differentiates the loss as a whole)."""
+    walking the vocabulary `chunk` rows at a time (chunk <= 0: all at once). Pass 1 of
+    fused_marginal_loss, which differentiates the loss as a whole rather than through this."""
     c, n = _num_chunks(table.shape[0], chunk)
     h_t = h.T
 
