@@ -183,7 +183,8 @@ def _fused_forward(log_pz, features, table, bias, targets, weights, chunk, with_
         return jnp.swapaxes(x, 0, 1).reshape(K * B * P, *x.shape[3:])
 
     h = rows_first(features)  # [N, H]
-    lse = jnp.swapaxes(vocab_logsumexp(h, table, bias, chunk).reshape(K, B, P), 0, 1)
+    lse_rows = vocab_logsumexp(h, table, bias, chunk)  # [N]
+    lse = jnp.swapaxes(lse_rows.reshape(K, B, P), 0, 1)  # [B, K, P]
     tgt_rows = table[targets].astype(features.dtype)  # [B, P, H]
     target_logits = jnp.einsum(
         "bkph,bph->bkp", features, tgt_rows, preferred_element_type=f32
@@ -196,24 +197,17 @@ def _fused_forward(log_pz, features, table, bias, targets, weights, chunk, with_
     # d loss / d logit[b,k,p,v] = coef[b,k,p] (softmax[v] - [v == target]).
     coef = jnp.exp(joint - marginal[:, None]) * w[:, None] if with_grad else None  # [B, K, P]
     pz = jnp.broadcast_to(jnp.exp(log_pz).T[:, :, None], (K, B, P)).reshape(K, B * P)
-    predicted, soft = _softmax_pass(
-        h,
-        table,
-        bias,
-        rows_first(lse[..., None])[:, 0],
-        pz,
-        None if coef is None else rows_first(coef[..., None])[:, 0],
-        chunk,
-    )
+    c = None if coef is None else rows_first(coef)  # [N]
+    predicted, soft = _softmax_pass(h, table, bias, lse_rows, pz, c, chunk)
     predicted = predicted.reshape(B, P)
     if not with_grad:
         return (loss, log_py, predicted), None
     dh, dtable, dbias = soft
-    c = rows_first(coef[..., None])  # [N, 1]
-    dh = dh - c * rows_first(jnp.broadcast_to(tgt_rows[:, None], features.shape)).astype(f32)
-    flat_tgt = rows_first(jnp.broadcast_to(targets[:, None, :, None], (B, K, P, 1)))[:, 0]
-    dtable = dtable.at[flat_tgt].add(-c * h.astype(f32))
-    dbias = dbias.at[flat_tgt].add(-c[:, 0])
+    # The [v == target] part of the gradient, on the target rows.
+    dh = dh - c[:, None] * rows_first(jnp.broadcast_to(tgt_rows[:, None], features.shape))
+    flat_tgt = rows_first(jnp.broadcast_to(targets[:, None], (B, K, P)))  # [N]
+    dtable = dtable.at[flat_tgt].add(-c[:, None] * h.astype(f32))
+    dbias = dbias.at[flat_tgt].add(-c)
     dh = jnp.swapaxes(dh.reshape(K, B, P, H), 0, 1).astype(features.dtype)
     dlog_pz = -coef.sum(-1)  # d loss / d log p(z|x) [B, K]
     return (loss, log_py, predicted), (
