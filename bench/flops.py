@@ -26,7 +26,7 @@ def realm_step_flops(config, num_blocks: int) -> dict[str, float]:
     b, k = t.batch_size, t.num_candidates
     lq, lj = d.query_len, d.query_len + d.block_len - 1
     parts = {
-        "query_embedder": 3 * embedder_flops(m, b, d.query_len),
+        "query_embedder": 3 * embedder_flops(m, b, lq),
         "doc_embedder": 3 * embedder_flops(m, b * (k - 1), d.block_len),
         # K-1 retrieved blocks at the joint length; the null document is the query alone.
         "reader": 3 * (encoder_flops(m, b * (k - 1) * lj, lj) + encoder_flops(m, b * lq, lq)),

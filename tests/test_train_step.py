@@ -259,9 +259,8 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
             method=RealmModel.mlm_features,
         )
         logits = tied_decoder_logits(feats.reshape(B, K, *feats.shape[1:]), table, bias)
-        return losses.marginal_loss(relevance, logits, batch["mlm_targets"], batch["mlm_weights"])[
-            1
-        ]
+        tgt, w = batch["mlm_targets"], batch["mlm_weights"]
+        return losses.marginal_loss(relevance, logits, tgt, w)[1]  # the metrics
 
     want = jax.device_get(jax.jit(reference)(state.params, gb, *index))
     got = jax.device_get(
