@@ -73,11 +73,16 @@ def synthetic(config, rng):
     return emb, tokens, batch
 
 
-def measure(variant: str, overrides: list[str], steps: int) -> dict:
+def build(variant: str, overrides: list[str]):
+    """(config, mesh, model, optimizer, state, state shardings, (emb, tokens, batch))."""
     config = load_config(os.path.join(REPO, f"configs/realm.py:{variant}"), overrides)
     mesh = sharding.make_mesh(config.mesh)
     model, opt, state, shard = train_step.create_state(config, mesh, jax.random.key(0))
-    emb, tokens, batch = synthetic(config, np.random.default_rng(0))
+    return config, mesh, model, opt, state, shard, synthetic(config, np.random.default_rng(0))
+
+
+def measure(variant: str, overrides: list[str], steps: int) -> dict:
+    config, mesh, model, opt, state, shard, (emb, tokens, batch) = build(variant, overrides)
     e, t = train_step.pad_index(emb, tokens, mesh)
     e, t = sharding.put_rows(e, mesh), sharding.put_rows(t, mesh)
     gb = sharding.global_batch(batch, mesh)
@@ -123,10 +128,8 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
     from realm_jax import losses
     from realm_jax.models import RealmModel
 
-    config = load_config(os.path.join(REPO, f"configs/realm.py:{variant}"), overrides)
-    mesh = sharding.make_mesh(config.mesh)
-    model, opt, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
-    _, tokens, batch = synthetic(config, np.random.default_rng(0))
+    config, _, model, opt, state, _, (_, tokens, batch) = build(variant, overrides)
+    params = state.params
     t = config.train
     b, k = t.batch_size, t.num_candidates
     q = jnp.asarray(batch["query_ids"])
@@ -138,12 +141,16 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
     def grad_of(f):
         return jax.jit(jax.grad(lambda p: (f(p) ** 2).sum()))
 
-    def embed(method, ids):
-        return lambda p: model.apply(
-            {"params": p}, ids, jnp.zeros_like(ids), (ids != 0).astype(jnp.int32), method=method
+    def embed_query(p):  # as train_step.retrieve embeds queries
+        return model.apply(
+            {"params": p},
+            q,
+            jnp.zeros_like(q),
+            (q != 0).astype(jnp.int32),
+            method=RealmModel.embed_query,
         )
 
-    feats = train_step.read_candidates(model, state.params, q, cands, pos, length)
+    feats = train_step.read_candidates(model, params, q, cands, pos, length)
     vocab_args = (jnp.zeros((b, k)), *feats, jnp.asarray(batch["mlm_targets"]))
     vocab = jax.jit(
         jax.grad(
@@ -153,15 +160,14 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
             argnums=(0, 1, 2, 3),
         )
     )
-    grads = jax.tree.map(lambda x: x * 1e-3, state.params)
+    grads = jax.tree.map(lambda x: x * 1e-3, params)
     update = jax.jit(lambda g, s, p: optax.apply_updates(p, opt.update(g, s, p)[0]))
     fl = realm_step_flops(config, NUM_BLOCKS)
-    params = state.params
     rows = [
-        ("query embedder", grad_of(embed(RealmModel.embed_query, q)), (params,), "query_embedder"),
+        ("query embedder", grad_of(embed_query), (params,), "query_embedder"),
         (
             "document embedder",
-            grad_of(embed(RealmModel.embed_doc, blocks)),
+            grad_of(lambda p: train_step.embed_block_tokens(model, p, blocks)),
             (params,),
             "doc_embedder",
         ),
