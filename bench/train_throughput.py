@@ -10,7 +10,9 @@ the same run on the same device(s), so the ratio is machine-independent. Writes 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import subprocess
 import sys
 import time
 
@@ -81,6 +83,86 @@ def build(variant: str, overrides: list[str]):
     return config, mesh, model, opt, state, shard, synthetic(config, np.random.default_rng(0))
 
 
+def step_matmuls(fn, *args) -> collections.Counter:
+    """Every dot_general that fn(*args) runs, traced from its jaxpr: a count per (lhs shape, rhs
+    shape, dtype, dimension numbers), a dot inside a scan counted once per iteration."""
+    counts: collections.Counter = collections.Counter()
+
+    def walk(jaxpr, times: int) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                lhs, rhs = (v.aval for v in eqn.invars[:2])
+                key = (lhs.shape, rhs.shape, str(lhs.dtype), eqn.params["dimension_numbers"])
+                counts[key] += times
+                continue
+            inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr, inner)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub, inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+    return counts
+
+
+def matmuls_alone(counts: collections.Counter) -> dict:
+    """Each distinct matmul of the step jitted and timed alone (best of 5), times its count:
+    the step's time if everything but its matmuls were free. Batched matmuls (attention's
+    [B, heads, L, L] scores and context) and plain ones are totalled apart."""
+    out = {"batched": [0.0, 0.0], "plain": [0.0, 0.0]}  # [seconds, FLOPs]
+    for (lhs, rhs, dtype, dims), n in counts.items():
+        (contract, _), (batch, _) = dims
+        a, b = jnp.ones(lhs, dtype), jnp.ones(rhs, dtype)
+        f = jax.jit(lambda x, y, dims=dims: jax.lax.dot_general(x, y, dims))
+        size = np.prod(jax.eval_shape(f, a, b).shape) * np.prod([lhs[i] for i in contract])
+        kind = out["batched" if batch else "plain"]
+        kind[0] += n * best_seconds(f, a, b, reps=5)
+        kind[1] += n * 2 * float(size)
+    return out
+
+
+ONE_CORE = """
+import os, sys, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+sys.path.insert(0, sys.argv[1])
+from train_throughput import core_rates
+print(*core_rates())
+"""
+
+
+def core_rates() -> tuple[float, float]:
+    """FLOP/s of a 2048^3 matmul and of one batched attention matmul of the 4x256 reader
+    ([24 x 4 heads] x [175, 175] @ [175, 64])."""
+    big = jnp.ones((2048, 2048), jnp.float32)
+    probs, v = jnp.ones((24, 4, 175, 175), jnp.float32), jnp.ones((24, 4, 175, 64), jnp.float32)
+    t_big = best_seconds(jax.jit(lambda x: x @ x), big)
+    t_att = best_seconds(jax.jit(lambda p, v: jnp.einsum("bhqk,bhkd->bhqd", p, v)), probs, v)
+    return 2 * 2048**3 / t_big, 2 * 24 * 4 * 175 * 175 * 64 / t_att
+
+
+def core_scaling() -> str:
+    """How each matmul kind speeds up from one core to all of them (a subprocess pinned to
+    one core against this process), or why it was not measured."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return "- one core against all: not measured (needs Linux and at least 2 cores)"
+    one = subprocess.run(
+        [sys.executable, "-c", ONE_CORE, os.path.dirname(os.path.abspath(__file__))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    one_big, one_att = (float(x) for x in one[-2:])
+    big, att = core_rates()
+    n = len(os.sched_getaffinity(0))
+    return (
+        f"- one core against all {n}: 2048^3 matmul {one_big / 1e9:.0f} -> {big / 1e9:.0f} "
+        f"GFLOP/s ({big / one_big:.1f}x); batched attention matmul [96 x (175x175 @ 175x64)] "
+        f"{one_att / 1e9:.0f} -> {att / 1e9:.0f} GFLOP/s ({att / one_att:.1f}x)"
+    )
+
+
 def measure(variant: str, overrides: list[str], steps: int) -> dict:
     config, mesh, model, opt, state, shard, (emb, tokens, batch) = build(variant, overrides)
     e, t = train_step.pad_index(emb, tokens, mesh)
@@ -91,15 +173,28 @@ def measure(variant: str, overrides: list[str], steps: int) -> dict:
     state, m = fn(state, gb, e, t, jnp.int32(0))
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
-    times = []
+    # Each step is followed by one 2048^3 matmul, so every step has a peak measured moments
+    # later on the same (shared, noisy) machine: the paired ratio follows the load.
+    big = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(matmul(big))
+    times, pair_peaks = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         state, m = fn(state, gb, e, t, jnp.int32(0))
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.block_until_ready(matmul(big))
+        pair_peaks.append(2 * 2048**3 / (time.perf_counter() - t0))
     step_s, median_s = float(np.min(times)), float(np.median(times))
     flops = realm_step_flops(config, NUM_BLOCKS)
+    paired = [flops["total"] / s / pk for s, pk in zip(times, pair_peaks)]
+    alone = matmuls_alone(step_matmuls(fn, state, gb, e, t, jnp.int32(0)))
     return {
+        "matmuls": alone,
+        "paired_mfu": float(np.median(paired)),
+        "pair_peaks": pair_peaks,
         "variant": variant,
         "config": config,
         "step_s": step_s,
@@ -214,8 +309,9 @@ def main() -> None:
         results.append((name, measure(*SIZES[name], args.steps)))
         peaks.append(matmul_peak())
         print(f"{name}: best {results[-1][1]['step_s'] * 1e3:.0f} ms/step")
+    peaks += [x for _, r in results for x in r["pair_peaks"]]
     p = max(peaks)  # the fastest the machine ran a matmul in this run: the conservative peak
-    rows, best = [], {}
+    rows, best, ceiling = [], {}, []
     for name, r in results:
         best[name] = r["step_s"]
         c = r["config"]
@@ -228,16 +324,27 @@ def main() -> None:
             f"{c.train.batch_size / r['step_s']:.1f} | "
             f"{f['total'] / 1e9:.1f} | {r['achieved'] / 1e9:.1f} | {p / 1e9:.1f} | "
             f"{100 * r['achieved'] / p:.0f}% | "
-            f"{100 * f['total'] / r['median_s'] / p:.0f}% | {r['compile_s']:.0f} |"
+            f"{100 * f['total'] / r['median_s'] / p:.0f}% | {100 * r['paired_mfu']:.0f}% | "
+            f"{r['compile_s']:.0f} |"
         )
         print(rows[-1])
         print("  FLOP share:", {k: f"{v:.0%}" for k, v in share.items()})
+        (bt, bf), (pt, pf) = r["matmuls"]["batched"], r["matmuls"]["plain"]
+        ceiling.append(
+            f"| {name} | {(bf + pf) / 1e9:.1f} | {f['total'] / 1e9:.1f} | "
+            f"{(bt + pt) * 1e3:.0f} ({bt * 1e3:.0f} + {pt * 1e3:.0f}) | "
+            f"{bf / bt / 1e9:.0f} ({100 * bf / bt / p:.0f}%) | "
+            f"{pf / pt / 1e9:.0f} ({100 * pf / pt / p:.0f}%) | "
+            f"{100 * f['total'] / (bt + pt) / p:.0f}% | {100 * r['achieved'] / p:.0f}% |"
+        )
+        print(ceiling[-1])
     ratios = [
         f"- fused vocab-chunked MLM softmax vs materialised logits, {n}: "
         f"{best[n + '-dense-mlm'] / best[n]:.2f}x faster (best step against best step)"
         for n in ("smoke", "small")
         if n in best and n + "-dense-mlm" in best
     ]
+    ratios.append(core_scaling())
     bern, hashed = dropout_masks()
     ratios.append(
         f"- one [32, 4, 175, 175] attention-dropout mask: threefry Bernoulli {bern * 1e3:.1f} ms, "
@@ -265,16 +372,32 @@ def main() -> None:
         f"{NUM_BLOCKS}-block index. FLOPs counted from the config (bench/flops.py: forward x3 "
         "for everything trained, retrieval scoring x1; the null document at the query's "
         "length, as the reader reads it); peak = the best float32 2048x2048 "
-        f"matmul of {len(peaks)} measured in the same run (before and after each size: "
+        f"matmul of {len(peaks)} measured in the same run (best of 10 before and after each "
+        "size, and one after every timed step: "
         f"{min(peaks) / 1e9:.0f} to {max(peaks) / 1e9:.0f} GFLOP/s; the machine is shared). "
         "Steps are timed singly: MFU is the best step against that best matmul (like for like), "
-        "and the median step is shown too. `-dense-mlm` rows materialise the [B, K, P, vocab] "
+        "and the median step is shown too. Paired MFU: every step is followed by one 2048^3 "
+        "matmul, each step's FLOP/s is divided by its own matmul's, and the median of those "
+        "ratios is shown (it follows the machine's load as it changes). `-dense-mlm` rows "
+        "materialise the [B, K, P, vocab] "
         "logits (train.mlm_vocab_chunk=-1) instead of the fused chunked softmax.\n\n"
         "| size | layers x width | batch | K | Lq/Lb | best ms/step | median ms/step | "
         "queries/s | GFLOP/step | GFLOP/s | matmul peak GFLOP/s | MFU | MFU at median | "
-        "compile s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "paired MFU (median) | compile s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows)
+        + "\n\nThe step's matrix multiplies alone: every dot_general in the traced step, each "
+        "jitted and timed on its own (best of 5) and counted as often as the step runs it. Their "
+        "total is the step's time if everything else (softmax, LayerNorm, GELU, dropout, "
+        "gathers, the optimizer) were free and nothing overlapped, so counted FLOPs over that "
+        "time estimates the most MFU XLA's matmul kernels allow at this size. Batched = "
+        "attention's per-head matmuls; "
+        "plain = everything else. Matmul FLOPs run exceed the counted ones by what the "
+        "step recomputes (the fused softmax forms the vocabulary logits twice).\n\n"
+        "| size | matmul GFLOP run | model GFLOP counted | matmuls alone ms (batched + "
+        "plain) | batched GFLOP/s | plain GFLOP/s | MFU ceiling | MFU measured |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(ceiling)
         + "\n\nSide by side in the same run:\n\n"
         + "\n".join(ratios)
         + "\n\nWhere a step's time goes, from the same run:"
