@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import subprocess
 import sys
@@ -43,10 +44,17 @@ def best_seconds(f, *args, reps: int = 10) -> float:
     return best
 
 
+_square = jax.jit(lambda x: x @ x)
+
+
+@functools.cache
+def _square_input(n: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+
+
 def matmul_peak(n: int = 2048, reps: int = 10) -> float:
-    """Measured float32 matmul FLOP/s on the default device."""
-    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
-    return 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a, reps=reps)
+    """Measured float32 matmul FLOP/s on the default device (best of reps, after a warm-up)."""
+    return 2 * n**3 / best_seconds(_square, _square_input(n), reps=reps)
 
 
 def synthetic(config, rng):
@@ -135,11 +143,9 @@ print(*core_rates())
 def core_rates() -> tuple[float, float]:
     """FLOP/s of a 2048^3 matmul and of one batched attention matmul of the 4x256 reader
     ([24 x 4 heads] x [175, 175] @ [175, 64])."""
-    big = jnp.ones((2048, 2048), jnp.float32)
     probs, v = jnp.ones((24, 4, 175, 175), jnp.float32), jnp.ones((24, 4, 175, 64), jnp.float32)
-    t_big = best_seconds(jax.jit(lambda x: x @ x), big)
     t_att = best_seconds(jax.jit(lambda p, v: jnp.einsum("bhqk,bhkd->bhqd", p, v)), probs, v)
-    return 2 * 2048**3 / t_big, 2 * 24 * 4 * 175 * 175 * 64 / t_att
+    return matmul_peak(), 2 * 24 * 4 * 175 * 175 * 64 / t_att
 
 
 def core_scaling() -> str:
@@ -175,18 +181,15 @@ def measure(variant: str, overrides: list[str], steps: int) -> dict:
     compile_s = time.perf_counter() - t0
     # Each step is followed by a 2048^3 matmul, so every step has a peak measured moments
     # later on the same (shared, noisy) machine: the paired ratio follows the load.
-    big = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(matmul(big))
     times, pair_peaks = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         state, m = fn(state, gb, e, t, jnp.int32(0))
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
-        # Best of 3: the first matmul after a long step runs slow (threads parked, caches
-        # cold), which alone would make the step look better than it is.
-        pair_peaks.append(2 * 2048**3 / best_seconds(matmul, big, reps=3))
+        # Best of 3 after a warm-up: the first matmul after a long step runs ~30% slow
+        # (measured), which alone would make the step look better than it is.
+        pair_peaks.append(matmul_peak(reps=3))
     step_s, median_s = float(np.min(times)), float(np.median(times))
     flops = realm_step_flops(config, NUM_BLOCKS)
     paired = [flops["total"] / s / pk for s, pk in zip(times, pair_peaks)]
@@ -378,13 +381,13 @@ def main() -> None:
         "for everything trained, retrieval scoring x1; the null document at the query's "
         "length, as the reader reads it); peak = the best float32 2048x2048 "
         f"matmul of {len(peaks)} measured in the same run (best of 10 before and after each "
-        "size, and one after every timed step: "
+        "size, and a best of 3 after every timed step: "
         f"{min(peaks) / 1e9:.0f} to {max(peaks) / 1e9:.0f} GFLOP/s; the machine is shared). "
         "Steps are timed singly: MFU is the best step against that best matmul (like for like), "
         "and the median step is shown too. Paired MFU: every step is followed by a 2048^3 "
-        "matmul (best of 3), each step's FLOP/s is divided by that matmul's, and the median "
-        "of those ratios is shown (it follows the machine's load as it changes). `-dense-mlm` rows "
-        "materialise the [B, K, P, vocab] "
+        "matmul (a warm-up, then best of 3), each step's FLOP/s is divided by that matmul's, "
+        "and the median of those ratios is shown (it follows the machine's load as it "
+        "changes). `-dense-mlm` rows materialise the [B, K, P, vocab] "
         "logits (train.mlm_vocab_chunk=-1) instead of the fused chunked softmax.\n\n"
         "| size | layers x width | batch | K | Lq/Lb | best ms/step | median ms/step | "
         "queries/s | GFLOP/step | GFLOP/s | matmul peak GFLOP/s | MFU | MFU at median | "
