@@ -132,7 +132,7 @@ def matmuls_alone(counts: collections.Counter) -> dict:
 
 
 ONE_CORE = """
-import os, sys, time
+import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 sys.path.insert(0, sys.argv[1])
 from train_throughput import core_rates
