@@ -22,14 +22,20 @@ def embedder_flops(m, seqs: int, length: int) -> float:
 
 def realm_step_flops(config, num_blocks: int) -> dict[str, float]:
     """FLOPs of one REALM train step, by part."""
-    m, d, t = config.model, config.data, config.train
+    from realm_jax.models import ModelConfig
+
+    e = ModelConfig.from_config(config.model, "embedder")
+    m = ModelConfig.from_config(config.model, "reader")
+    d, t = config.data, config.train
     b, k = t.batch_size, t.num_candidates
     lq, lj = d.query_len, d.query_len + d.block_len - 1
     parts = {
-        "query_embedder": 3 * embedder_flops(m, b, lq),
-        "doc_embedder": 3 * embedder_flops(m, b * (k - 1), d.block_len),
-        # K-1 retrieved blocks at the joint length; the null document is the query alone.
-        "reader": 3 * (encoder_flops(m, b * (k - 1) * lj, lj) + encoder_flops(m, b * lq, lq)),
+        "query_embedder": 3 * embedder_flops(e, b, lq),
+        # K-1 retrieved blocks at the block length; the null block at its own length (3).
+        "doc_embedder": 3 * (embedder_flops(e, b * (k - 1), d.block_len) + embedder_flops(e, b, 3)),
+        # K-1 retrieved blocks at the joint length; the null document is [CLS] x [SEP] [SEP].
+        "reader": 3
+        * (encoder_flops(m, b * (k - 1) * lj, lj) + encoder_flops(m, b * (lq + 1), lq + 1)),
         "mlm_head": 3
         * b
         * k

@@ -29,6 +29,7 @@ from train_throughput import matmul_peak  # noqa: E402
 from realm_jax import checkpoint, sharding, train_step  # noqa: E402
 from realm_jax.config_lib import load_config  # noqa: E402
 from realm_jax.data import prepare  # noqa: E402
+from realm_jax.models import ModelConfig  # noqa: E402
 from realm_jax.refresh import IndexFeed, Refresher  # noqa: E402
 
 
@@ -50,7 +51,8 @@ def main() -> None:
             "data.masking=random",
             "data.block_len=288",
             "data.query_len=96",
-            "model.max_position_embeddings=512",
+            "model.embedder.max_position_embeddings=512",
+            "model.reader.max_position_embeddings=512",
             f"data.data_dir={data_dir}",
             "refresh.mode=external",
             "refresh.poll_seconds=0.2",
@@ -78,7 +80,7 @@ def main() -> None:
     refresher.embed(params, refresher.tokens).block_until_ready()
     embed_s = time.perf_counter() - t0
     peak = matmul_peak()
-    flops = embedder_flops(config.model, n, tokens.shape[1])
+    flops = embedder_flops(ModelConfig.from_config(config.model, "embedder"), n, tokens.shape[1])
 
     thread = threading.Thread(target=refresher.run, args=(stop,), daemon=True)
     thread.start()

@@ -12,27 +12,40 @@ locked, so a misspelt key is an error.
 import ml_collections
 
 
-def _model(**kw) -> ml_collections.ConfigDict:
+def _bert(**kw) -> ml_collections.ConfigDict:
+    """One BERT encoder's architecture (the embedders and the reader each have one)."""
     m = ml_collections.ConfigDict()
-    m.vocab_size = 30522  # WordPiece vocab (bert-base-uncased, shipped in realm_jax/assets)
     m.hidden_size = 768  # transformer width
-    m.num_layers = 12  # transformer layers per encoder
+    m.num_layers = 12  # transformer layers
     m.num_heads = 12  # attention heads
     m.intermediate_size = 3072  # feed-forward width
     m.hidden_act = "gelu_new"  # gelu (erf), gelu_new (tanh approximation), relu
     m.max_position_embeddings = 512  # learned absolute positions
     m.type_vocab_size = 2  # segment ids
     m.layer_norm_eps = 1e-12  # LayerNorm epsilon in BERT
+    m.dropout = 0.1  # BERT dropout (embeddings, attention, hidden) in training; 0 = off
+    m.update(kw)
+    return m
+
+
+def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
+    """The three networks: `embedder` (query and document embedders) and `reader` each have
+    their own architecture; the vocabulary and everything below are shared."""
+    m = ml_collections.ConfigDict()
+    m.embedder = _bert(**bert)  # query + document embedders (override as model.embedder.*)
+    m.reader = _bert(**bert)  # the knowledge-augmented reader (model.reader.*)
+    m.vocab_size = 30522  # WordPiece vocab (bert-base-uncased, shipped in realm_jax/assets)
     m.proj_size = 128  # retrieval projection (REALM: 128)
+    m.proj_dropout = 0.1  # dropout on the retrieval projection in training (ORQA ict_model.py)
     m.span_hidden_size = 256  # ORQA span head width (fine-tuning only)
     m.max_span_width = 10  # longest answer span in wordpieces (fine-tuning only)
     m.reader_layer_norm_eps = 1e-3  # LayerNorm epsilon in the span head
-    m.share_embedders = False  # one BERT for query and document embedders (paper: separate)
+    m.share_embedders = False  # one network embeds queries and documents (release: option)
     m.dtype = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
-    m.dropout = 0.1  # BERT dropout (embeddings, attention, hidden) in training; 0 = off
     m.remat = False  # rematerialise each layer in the backward pass (saves activation memory)
     m.init_embedder_from = ""  # HF folder (RealmEmbedder / BertModel) for both embedders
     m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
+    m.init_embedders_from_ict = ""  # ICT workdir (its newest checkpoint) or checkpoint folder
     m.update(kw)
     return m
 
@@ -46,22 +59,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # ---------------------------------------------------------------- model
     if variant == "smoke":
-        c.model = _model(
+        tiny = dict(
             hidden_size=64,
             num_layers=2,
             num_heads=2,
             intermediate_size=256,
             max_position_embeddings=256,
-            span_hidden_size=32,
-            max_span_width=5,
             dropout=0.0,
         )
+        c.model = _model(tiny, span_hidden_size=32, max_span_width=5)
     elif variant == "small":
         c.model = _model(
-            hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024, span_hidden_size=64
+            dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
+            span_hidden_size=64,
         )
     else:
-        c.model = _model()
+        c.model = _model({})
 
     # ---------------------------------------------------------------- data
     c.data = ml_collections.ConfigDict()

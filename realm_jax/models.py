@@ -18,9 +18,19 @@ from flax import linen as nn
 Array = jax.Array
 
 
+# config.model fields that are not part of one network's architecture.
+_NOT_ARCHITECTURE = ("embedder", "reader", "init_embedder_from", "init_reader_from")
+_NOT_ARCHITECTURE += ("init_embedders_from_ict",)
+
+
+class ModelConfigError(ValueError):
+    """A config.model that does not describe a valid set of networks."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture; built from `config.model` by `ModelConfig.from_config`."""
+    """One network's architecture (an embedder or the reader) plus the shared fields; built
+    from `config.model` by `ModelConfig.from_config(config.model, "embedder" | "reader")`."""
 
     vocab_size: int = 30522
     hidden_size: int = 768
@@ -39,11 +49,27 @@ class ModelConfig:
     dtype: str = "float32"
     remat: bool = False
     dropout: float = 0.0
+    proj_dropout: float = 0.0
 
     @classmethod
-    def from_config(cls, model_config) -> ModelConfig:
+    def from_config(cls, model_config, part: str) -> ModelConfig:
+        """config.model's shared fields + config.model.<part> (embedder or reader). An unknown
+        key is an error, never dropped."""
+        if part not in ("embedder", "reader"):
+            raise ValueError(f"part must be embedder or reader, got {part!r}")
+        values = {k: v for k, v in dict(model_config).items() if k not in _NOT_ARCHITECTURE}
+        values.update(dict(model_config[part]))
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(model_config).items() if k in fields})
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ModelConfigError(f"config.model: unknown field(s) {unknown}")
+        cfg = cls(**values)
+        if cfg.hidden_size % cfg.num_heads:
+            raise ModelConfigError(
+                f"config.model.{part}: hidden_size {cfg.hidden_size} is not divisible by "
+                f"num_heads {cfg.num_heads}"
+            )
+        return cfg
 
     @property
     def compute_dtype(self):
@@ -300,7 +326,9 @@ class BertEncoder(nn.Module):
 
 
 class Embedder(nn.Module):
-    """REALM embedder: pooled [CLS] -> dense(proj_size) -> LayerNorm. Returns [B, proj]."""
+    """REALM embedder: pooled [CLS] -> dense(proj_size) -> LayerNorm (-> dropout in training,
+    `proj_dropout`, as ORQA's ict_model.py: rate 0.1 after the projection's LayerNorm; the
+    REALM release embeds with that ICT module). Returns [B, proj]."""
 
     cfg: ModelConfig
 
@@ -309,10 +337,12 @@ class Embedder(nn.Module):
         self.bert = BertEncoder(c, add_pooler=True)
         self.projection = dense(c.proj_size, ("embed", "proj"), c, "projection")
         self.projection_LayerNorm = layer_norm(c, "projection_LayerNorm", axis_name="proj")
+        self.projection_dropout = Dropout(c.proj_dropout)
 
     def __call__(self, ids: Array, segment_ids: Array, mask: Array, train: bool = False) -> Array:
         _, pooled = self.bert(ids, segment_ids, mask, train)
-        return self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
+        emb = self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
+        return self.projection_dropout(emb, deterministic=not train)
 
 
 class MLMHead(nn.Module):
@@ -408,21 +438,36 @@ class Reader(nn.Module):
 
 
 class RealmModel(nn.Module):
-    """The three REALM networks: query embedder, document embedder and reader.
-
-    With `share_embedders` the query and document embedders are one network.
-    """
+    """The three REALM networks: query embedder, document embedder and reader. The embedders
+    share one architecture (`embedder_cfg`), the reader has its own (`cfg`); they share the
+    vocabulary. With `share_embedders` the query and document embedders are one network.
+    `embedder_cfg=None` gives the embedders the reader's architecture."""
 
     cfg: ModelConfig
+    embedder_cfg: ModelConfig | None = None
+
+    @property
+    def ecfg(self) -> ModelConfig:
+        return self.cfg if self.embedder_cfg is None else self.embedder_cfg
+
+    @property
+    def uses_dropout(self) -> bool:
+        """Whether training applies any dropout (and so needs a 'dropout' rng)."""
+        return max(self.cfg.dropout, self.ecfg.dropout, self.ecfg.proj_dropout) > 0
 
     def setup(self):
-        self.query_embedder = Embedder(self.cfg)
-        if not self.cfg.share_embedders:
-            self.doc_embedder = Embedder(self.cfg)
+        if self.ecfg.vocab_size != self.cfg.vocab_size:
+            raise ModelConfigError(
+                f"embedder vocab_size {self.ecfg.vocab_size} != reader vocab_size "
+                f"{self.cfg.vocab_size}: queries are read by both, so they must share one"
+            )
+        self.query_embedder = Embedder(self.ecfg)
+        if not self.ecfg.share_embedders:
+            self.doc_embedder = Embedder(self.ecfg)
         self.reader = Reader(self.cfg)
 
     def _doc(self):
-        return self.query_embedder if self.cfg.share_embedders else self.doc_embedder
+        return self.query_embedder if self.ecfg.share_embedders else self.doc_embedder
 
     def embed_query(self, ids, segment_ids, mask, train: bool = False):
         return self.query_embedder(ids, segment_ids, mask, train)
@@ -444,6 +489,14 @@ class RealmModel(nn.Module):
         q = self.embed_query(*query)
         d = self.embed_doc(*block)
         return q, d, self.reader(*joint, positions, block_mask)
+
+
+def realm_model(model_config) -> RealmModel:
+    """The RealmModel that `config.model` describes."""
+    return RealmModel(
+        ModelConfig.from_config(model_config, "reader"),
+        ModelConfig.from_config(model_config, "embedder"),
+    )
 
 
 def doc_embedder_name(cfg: ModelConfig) -> str:

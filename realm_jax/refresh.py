@@ -158,7 +158,7 @@ class Refresher:
     def __init__(self, config, workdir: str, tokens: np.ndarray, mesh=None):
         self.config, self.workdir = config, workdir
         self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
-        self.name = doc_embedder_name(ModelConfig.from_config(config.model))
+        self.name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
         self.model, self.abstract = abstract_params(config, self.mesh, self.name)
         self.num_blocks = tokens.shape[0]
         _, tok = pad_index(None, tokens, self.mesh)

@@ -19,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import checkpoint, losses, retrieval, sharding
-from realm_jax.models import ModelConfig, RealmModel, tied_decoder_logits
-from realm_jax.tokenization import SEP_ID
+from realm_jax.models import RealmModel, realm_model, tied_decoder_logits
+from realm_jax.tokenization import CLS_ID, SEP_ID
 
 
 class TrainState(struct.PyTreeNode):
@@ -80,7 +80,23 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------- state
 
 
-def init_inputs(cfg: ModelConfig, lq: int, lb: int, lj: int):
+def check_lengths(config, model: RealmModel) -> None:
+    """Every input fits its network's position table (a clear error, not an XLA one)."""
+    d = config.data
+    for name, length, cfg in (
+        ("reader input length data.query_len + data.block_len - 1", joint_len(config), model.cfg),
+        ("data.block_len", d.block_len, model.ecfg),
+        ("data.query_len", d.query_len, model.ecfg),
+    ):
+        if length > cfg.max_position_embeddings:
+            part = "reader" if cfg is model.cfg else "embedder"
+            raise ValueError(
+                f"{name} = {length} exceeds model.{part}.max_position_embeddings = "
+                f"{cfg.max_position_embeddings}"
+            )
+
+
+def init_inputs(lq: int, lb: int, lj: int):
     """Dummy (ids, segs, mask) tuples touching every network, for init/eval_shape."""
 
     def t(length):
@@ -96,16 +112,11 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
     params_hook(params) may replace parameters on the host (weight import) before training.
     Returns (model, optimizer, state, state_shardings).
     """
-    mcfg = ModelConfig.from_config(config.model)
-    if joint_len(config) > mcfg.max_position_embeddings:
-        raise ValueError(
-            f"reader input length data.query_len + data.block_len - 1 = {joint_len(config)} "
-            f"exceeds model.max_position_embeddings = {mcfg.max_position_embeddings}"
-        )
-    model = RealmModel(mcfg)
+    model = realm_model(config.model)
+    check_lengths(config, model)
     optimizer = make_optimizer(config.train)
     d = config.data
-    inputs = init_inputs(mcfg, d.query_len, d.block_len, joint_len(config))
+    inputs = init_inputs(d.query_len, d.block_len, joint_len(config))
 
     def init(rng):
         params = model.init(rng, *inputs)["params"]
@@ -131,10 +142,9 @@ def abstract_params(config, mesh: Mesh, name: str):
     """(model, ShapeDtypeStructs of params[name] carrying their mesh shardings): the target of
     a partial restore of one network (the refresher's document embedder, `ask`'s query
     embedder), computed without initialising anything."""
-    mcfg = ModelConfig.from_config(config.model)
-    model = RealmModel(mcfg)
+    model = realm_model(config.model)
     d = config.data
-    inputs = init_inputs(mcfg, d.query_len, d.block_len, joint_len(config))
+    inputs = init_inputs(d.query_len, d.block_len, joint_len(config))
     boxed = jax.eval_shape(lambda r: model.init(r, *inputs)["params"], jax.random.key(0))
     shard = sharding.logical_shardings(mesh, boxed)
     return model, checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])
@@ -197,6 +207,16 @@ def build_joint(query_ids, block_tokens, length: int):
 # ----------------------------------------------------------------------------- step
 
 
+NULL_BLOCK = (CLS_ID, SEP_ID, SEP_ID)  # the release's empty Document: [CLS] title [SEP] body [SEP]
+
+
+def null_block_tokens(batch: int, length: int):
+    """[batch, length] token rows of the null document: `[CLS] [SEP] [SEP]`, zero-padded
+    (segments (0, 0, 1) by `block_segments`, as the release's bert_format of ([], []))."""
+    row = jnp.zeros((length,), jnp.int32).at[: len(NULL_BLOCK)].set(jnp.array(NULL_BLOCK))
+    return jnp.broadcast_to(row, (batch, length))
+
+
 def retrieve(
     params,
     batch,
@@ -211,8 +231,13 @@ def retrieve(
 ):
     """Embed queries, search the index, re-embed the hits with live params.
 
-    Returns (q_emb [B, D], relevance [B, K] with the null document first at score 0,
-    candidate tokens [B, K, Lb] with the null document all zeros, retrieved ids [B, K-1]).
+    Returns (q_emb [B, D], relevance [B, K], candidate tokens [B, K, Lb], retrieved ids
+    [B, K-1]). Candidate 0 is the null document, as in the release (example_generator.py
+    prepends an empty Document; model.py scores every candidate with one einsum): the empty
+    block `[CLS] [SEP] [SEP]` embedded by the live document embedder, so its score and
+    gradient are those of any candidate. (A constant score of 0 took all the probability
+    whenever an untrained projection scored every retrieved block below 0, and the
+    retriever's gradient vanished for good.)
     """
     q_ids = batch["query_ids"]  # [B, Lq]
     q_emb = model.apply(
@@ -236,10 +261,34 @@ def retrieve(
     B, _, Lb = tokens.shape
     flat = tokens.reshape(B * k, Lb)
     d_emb = embed_block_tokens(model, params, flat, rng).reshape(B, k, -1)  # live params: grads
-    retrieved = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
-    relevance = jnp.concatenate([jnp.zeros((B, 1), retrieved.dtype), retrieved], axis=1)
-    cands = jnp.concatenate([jnp.zeros((B, 1, Lb), tokens.dtype), tokens], axis=1)
+    # The null block embedded at its own length (3): padding is masked and positions are
+    # absolute, so this equals embedding it padded to Lb (tested), at a fraction of the cost.
+    # One row per query, so each gets its own dropout mask, as the release's per-example
+    # candidates do.
+    null_emb = embed_block_tokens(
+        model,
+        params,
+        null_block_tokens(B, len(NULL_BLOCK)),
+        None if rng is None else jax.random.fold_in(rng, 4),
+    )  # [B, D]
+    d_emb = jnp.concatenate([null_emb[:, None], d_emb], axis=1)  # [B, K, D]
+    relevance = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
+    cands = jnp.concatenate([null_block_tokens(B, Lb)[:, None].astype(tokens.dtype), tokens], 1)
     return q_emb, relevance, cands, ids
+
+
+def null_reader_input(query_ids):
+    """The reader's input for the null document: `[CLS] x [SEP] [SEP]`, the query joined with
+    the empty block (the release's bert_format of (x, [])), segment 1 on the last [SEP].
+    query_ids [B, Lq] -> (ids, segs, mask) [B, Lq + 1]: the joint input of the empty block
+    without the padding up to the joint length (same outputs, tested)."""
+    B, Lq = query_ids.shape
+    qlen = (query_ids != 0).sum(-1, keepdims=True)  # [B, 1]
+    pos = jnp.arange(Lq + 1)[None, :]
+    ids = jnp.concatenate([query_ids, jnp.zeros((B, 1), query_ids.dtype)], axis=1)
+    ids = jnp.where(pos == qlen, SEP_ID, ids)
+    segs = (pos == qlen).astype(jnp.int32)
+    return ids, segs, (ids != 0).astype(jnp.int32)
 
 
 def read_candidates(model: RealmModel, params, query_ids, cands, positions, length: int, rng=None):
@@ -247,10 +296,8 @@ def read_candidates(model: RealmModel, params, query_ids, cands, positions, leng
 
     query_ids [B, Lq], cands [B, K, Lb] (candidate 0 the null document), positions [B, P] ->
     (features [B, K, P, H], word embeddings [V, H], decoder bias [V]). The retrieved blocks
-    are read as [CLS] x [SEP] title [SEP] body [SEP] of `length` tokens; the null document
-    adds nothing to the query, so it is read as the query alone, [B, Lq]: the same outputs as
-    the query padded to `length` (padding is masked; tested), without the padding's compute
-    (a quarter of the reader at K = 4, an eighth at the paper's K = 8)."""
+    are read as [CLS] x [SEP] title [SEP] body [SEP] of `length` tokens (the release leaves
+    the title out; we keep it); the null document as `null_reader_input`, [B, Lq + 1]."""
     B, K, _ = cands.shape
     j_ids, j_segs, j_mask = build_joint(query_ids, cands[:, 1:], length)
     n = B * (K - 1)
@@ -273,9 +320,7 @@ def read_candidates(model: RealmModel, params, query_ids, cands, positions, leng
         jnp.repeat(positions, K - 1, axis=0),
         2,
     )  # [B * (K-1), P, H]
-    null, _, _ = read(
-        query_ids, jnp.zeros_like(query_ids), (query_ids != 0).astype(jnp.int32), positions, 3
-    )  # [B, P, H]
+    null, _, _ = read(*null_reader_input(query_ids), positions, 3)  # [B, P, H]
     hits = hits.reshape(B, K - 1, *hits.shape[1:])
     return jnp.concatenate([null[:, None], hits], axis=1), table, bias
 
@@ -342,7 +387,7 @@ def train_step(
 ):
     """One optimizer step; returns (new state, metrics)."""
     rng = None  # dropout keys depend only on (seed, step): the same on any mesh
-    if model.cfg.dropout > 0:
+    if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
     loss_fn = functools.partial(
         realm_loss,

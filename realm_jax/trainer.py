@@ -32,19 +32,22 @@ def params_hook(config):
     m = config.model
     if not (m.init_embedder_from or m.init_reader_from):
         return None
-    cfg = ModelConfig.from_config(m)
+    ecfg = ModelConfig.from_config(m, "embedder")
+    rcfg = ModelConfig.from_config(m, "reader")
 
     def hook(params):
         params = dict(params)
         if m.init_embedder_from:
             loaded, fields = weights.embedder_params(m.init_embedder_from)
-            weights.check_fields(cfg, fields, m.init_embedder_from)
-            for name in {"query_embedder", doc_embedder_name(cfg)}:
+            weights.check_fields(ecfg, fields, m.init_embedder_from, "config.model.embedder")
+            for name in {"query_embedder", doc_embedder_name(ecfg)}:
                 params[name] = weights.merge_params(params[name], loaded, name)
+            log.info("imported both embedders from %s", m.init_embedder_from)
         if m.init_reader_from:
             loaded, fields = weights.reader_params(m.init_reader_from, with_span_head=False)
-            weights.check_fields(cfg, fields, m.init_reader_from)
+            weights.check_fields(rcfg, fields, m.init_reader_from, "config.model.reader")
             params["reader"] = weights.merge_params(params["reader"], loaded, "reader")
+            log.info("imported the reader from %s", m.init_reader_from)
         return params
 
     return hook

@@ -233,13 +233,36 @@ def merge_params(target, loaded: dict, where: str = "params"):
     return out
 
 
-def check_fields(model_cfg, fields: dict, path: str) -> None:
-    """Fail when the run's architecture disagrees with the checkpoint's config.json."""
-    bad = [
-        f"{k}: config {getattr(model_cfg, k)!r} vs checkpoint {v!r}"
-        for k, v in fields.items()
-        if k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size")
-        and getattr(model_cfg, k) != v
-    ]
+CHECKED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "intermediate_size",
+    "hidden_act",
+    "layer_norm_eps",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+
+
+def check_fields(model_cfg, fields: dict, path: str, where: str = "config.model") -> None:
+    """Fail when the run's architecture disagrees with the checkpoint's config.json (the
+    activation and LayerNorm epsilon too: a silent mismatch would change every output)."""
+    bad = []
+    for k, v in fields.items():
+        if k not in CHECKED_FIELDS:
+            continue
+        mine = getattr(model_cfg, k)
+        same = abs(mine - v) <= 1e-6 * abs(v) if k == "layer_norm_eps" else mine == v
+        if k == "hidden_act":
+            same = _act(mine) == _act(v)
+        if not same:
+            bad.append(f"{k}: config {mine!r} vs checkpoint {v!r}")
     if bad:
-        raise WeightImportError(f"{path} does not match config.model: " + "; ".join(bad))
+        raise WeightImportError(f"{path} does not match {where}: " + "; ".join(bad))
+
+
+def _act(name: str) -> str:
+    """Activation names that compute the same function."""
+    return {"gelu_pytorch_tanh": "gelu_new"}.get(name, name)

@@ -51,10 +51,12 @@ def test_retrieval_matches_numpy_and_excludes_own_block(setup):
     want = np.argsort(-scores, axis=1)[:, :3]
     np.testing.assert_array_equal(np.asarray(ids), want)
     assert not (np.asarray(ids) == batch["block_id"][:, None]).any()  # no trivial retrieval
-    # Candidate 0 is the null document: empty tokens, relevance 0.
-    np.testing.assert_array_equal(np.asarray(cands)[:, 0], 0)
-    np.testing.assert_array_equal(np.asarray(relevance)[:, 0], 0)
+    # Candidate 0 is the null document: the empty block [CLS] [SEP] [SEP], scored like any.
+    null_row = np.zeros(config.data.block_len, np.int32)
+    null_row[:3] = [101, 102, 102]
+    np.testing.assert_array_equal(np.asarray(cands)[:, 0], np.broadcast_to(null_row, (8, 16)))
     np.testing.assert_array_equal(np.asarray(cands)[:, 1:], tokens[want])
+    assert np.all(np.asarray(relevance)[:, 0] != 0)
 
 
 def test_shard_map_search_scores_match_numpy():
@@ -87,8 +89,106 @@ def test_joint_input_matches_python_format():
     want, want_seg = tokenization.joint_ids(q_raw, title, body, 16)
     np.testing.assert_array_equal(np.asarray(ids)[0, 1], tokenization.pad_to(want, 16))
     np.testing.assert_array_equal(np.asarray(segs)[0, 1], tokenization.pad_to(want_seg, 16))
-    np.testing.assert_array_equal(np.asarray(ids)[0, 0], q[0].tolist() + [0] * 8)  # null doc
+    np.testing.assert_array_equal(np.asarray(ids)[0, 0], q[0].tolist() + [0] * 8)  # no block
     assert np.asarray(mask)[0, 0].sum() == 5
+
+
+def test_null_document_input_and_score_match_the_release(setup):
+    """The null document is the release's empty Document: the block `[CLS] [SEP] [SEP]` with
+    segments (0, 0, 1) for the document embedder, `[CLS] x [SEP] [SEP]` with segment 1 on the
+    last [SEP] for the reader, and its score is q . Embed_d(empty block) computed here with the
+    block padded to the full block length (the step embeds it at length 3)."""
+    from realm_jax.models import RealmModel
+
+    config, mesh, model, _, state, _, emb, _, index, batch = setup
+    seg = np.asarray(train_step.block_segments(train_step.null_block_tokens(1, 5)))
+    np.testing.assert_array_equal(seg[0], [0, 0, 1, 0, 0])
+    q = jnp.asarray([[101, 7, 8, 102, 0, 0]])
+    ids, segs, mask = (np.asarray(x)[0] for x in train_step.null_reader_input(q))
+    np.testing.assert_array_equal(ids, [101, 7, 8, 102, 102, 0, 0])
+    np.testing.assert_array_equal(segs, [0, 0, 0, 0, 1, 0, 0])
+    np.testing.assert_array_equal(mask, [1, 1, 1, 1, 1, 0, 0])
+
+    fn = functools.partial(
+        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+    )
+    q_emb, relevance, _, _ = jax.jit(fn)(state.params, sharding.global_batch(batch, mesh), *index)
+    lb = config.data.block_len
+    padded = np.zeros((1, lb), np.int32)
+    padded[0, :3] = [101, 102, 102]
+    seg = np.zeros((1, lb), np.int32)
+    seg[0, 2] = 1
+    null = model.apply(
+        {"params": state.params},
+        jnp.asarray(padded),
+        jnp.asarray(seg),
+        jnp.asarray((padded != 0).astype(np.int32)),
+        method=RealmModel.embed_doc,
+    )  # [1, D]
+    want = np.asarray(q_emb, np.float64) @ np.asarray(null, np.float64)[0]
+    np.testing.assert_allclose(np.asarray(relevance)[:, 0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_null_document_score_gradient_hand_computed():
+    """d loss / d relevance = p(z|x) - p(z|x, y) summed over targets / num_targets, for the
+    null document (candidate 0) as for every candidate: hand-computed on a 1 x 3 case."""
+    relevance = jnp.array([[0.5, -1.0, 2.0]])
+    log_py = np.log(np.array([[[0.2, 0.05]], [[0.1, 0.3]], [[0.6, 0.02]]]))[None, :, 0]
+    # log p(y_j | x, z) as [B=1, K=3, P=2]: logits whose log-softmax puts those on the target.
+    vocab = 4
+    logits = np.full((1, 3, 2, vocab), -30.0)
+    for k in range(3):
+        for j in range(2):
+            p = np.exp(log_py[0, k, j])
+            logits[0, k, j, 0] = np.log(p)
+            logits[0, k, j, 1:] = np.log((1 - p) / (vocab - 1))
+    targets = jnp.zeros((1, 2), jnp.int32)
+    weights = jnp.ones((1, 2))
+
+    def loss(r):
+        return losses.marginal_loss(r, jnp.asarray(logits), targets, weights)[0]
+
+    got = np.asarray(jax.grad(loss)(relevance))[0]
+    pz = np.exp(np.asarray(relevance[0])) / np.exp(np.asarray(relevance[0])).sum()
+    py = np.exp(log_py[0])  # [K, P]
+    post = pz[:, None] * py / (pz[:, None] * py).sum(0, keepdims=True)  # p(z | x, y_j)
+    want = (pz[:, None] - post).sum(1) / 2
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert abs(got[0]) > 1e-3  # the null document's score gets a gradient
+
+
+def test_retriever_learns_when_every_retrieved_score_is_negative(setup):
+    """The failure the null document's constant score caused: with every retrieved block
+    scored far below 0 (here about -100: the embedders' projection LayerNorm biases pushed to
+    opposite constants), a null document fixed at 0 took all the probability and the retriever's
+    gradient was exactly 0. Scored by the live document embedder, it is one candidate among
+    equals and both embedders get a gradient."""
+    config, mesh, model, optimizer, _, shardings, emb, _, index, batch = setup
+    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
+    params = jax.device_get(state.params)
+    d = config.model.proj_size
+    c = np.full((d,), 10.0 / np.sqrt(d), np.float32)  # |c|^2 = 100
+    for name, sign, scale in (("query_embedder", -1.0, 1e-2), ("doc_embedder", 1.0, 1.0)):
+        ln = params[name]["projection_LayerNorm"]
+        ln["scale"] = np.full_like(ln["scale"], scale)
+        ln["bias"] = sign * c
+    gb = sharding.global_batch(batch, mesh)
+    fn = functools.partial(
+        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+    )
+    _, relevance, _, _ = jax.jit(fn)(params, gb, *index)
+    relevance = np.asarray(relevance)
+    assert (relevance < -50).all(), relevance
+    state = state.replace(params=jax.device_put(params, shardings.params))
+    step = train_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
+    _, metrics = step(state, gb, *index, jnp.int32(0))
+    metrics = jax.device_get(metrics)
+    assert metrics["null_doc_prob"] < 0.9
+    for name in ("query_embedder", "doc_embedder"):
+        assert metrics[f"grad_norm/{name}"] > 1e-6, (name, metrics[f"grad_norm/{name}"])
+    # the constant score the null document used to get: all the probability, no gradient
+    retrieved_prob = np.exp(relevance[:, 1:].astype(np.float64)).sum(1)  # vs exp(0) = 1
+    assert (retrieved_prob < 1e-20).all()
 
 
 def test_marginal_loss_hand_computed():
@@ -232,8 +332,9 @@ def test_materialised_logits_path_matches_the_fused_step(setup, step8):
 
 
 def test_null_document_read_at_query_length_matches_full_length(setup):
-    """The reader reads the null document as the query alone; reading every candidate as a
-    full-length [CLS] x [SEP] z [SEP] input (the null one padded) gives the same metrics."""
+    """The reader reads the null document as `[CLS] x [SEP] [SEP]` at the query's length + 1;
+    reading every candidate as a full-length joint input built by build_joint (the null one
+    from an empty `[CLS] body [SEP]` block, padded) gives the same metrics."""
     from realm_jax.models import RealmModel, tied_decoder_logits
 
     config, mesh, model, _, _, _, emb, _, index, batch = setup
@@ -246,6 +347,9 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
             params, batch, *index, model=model, mesh=mesh, num_candidates=K, num_valid=len(emb)
         )
         B = cands.shape[0]
+        # [CLS] [SEP] 0 ...: build_joint drops the [CLS] and appends the one [SEP].
+        empty = jnp.zeros_like(cands[:, :1]).at[:, :, :2].set(jnp.array([101, 102]))
+        cands = jnp.concatenate([empty, cands[:, 1:]], axis=1)
         ids, segs, mask = (
             x.reshape(B * K, length)
             for x in train_step.build_joint(batch["query_ids"], cands, length)

@@ -1,0 +1,1 @@
+"""Open-domain QA: ORQA fine-tuning, evaluation, the BM25 baseline."""
