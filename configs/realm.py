@@ -4,6 +4,9 @@ Variants (pass as `configs/realm.py:<variant>`):
   smoke  tiny model, bundled sample corpus, CPU, a few minutes end to end.
   small  4 layers x 256 wide: a CPU/GPU development size (also used by bench/).
   base   BERT-base and the paper's hyperparameters (Guu et al. 2020), for a TPU pod.
+  squad  the learning recipe (docs/results.md): SQuAD's 18,896 Wikipedia paragraphs from
+         ../shared, held-out articles, real bert-tiny weights in all three networks and the
+         embedders warm-started by ICT (`configs/ict.py:squad` first); under an hour on 2 CPUs.
 
 Every field is overridable on the command line, e.g. `--config.train.lr=1e-4`; the config is
 locked, so a misspelt key is an error.
@@ -50,12 +53,17 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     return m
 
 
+VARIANTS = ("smoke", "small", "base", "squad")
+SHARED = "../shared"  # the team's shared folder (the squad recipe's data and weights)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = arg or "smoke"
-    if variant not in ("smoke", "small", "base"):
-        raise ValueError(f"unknown variant {variant!r}; choose smoke, small or base")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     c = ml_collections.ConfigDict()
     c.variant = variant  # which variant this is (informational)
+    c.task = "realm"  # what `train` runs: realm (pre-training) or ict (configs/ict.py)
 
     # ---------------------------------------------------------------- model
     if variant == "smoke":
@@ -72,6 +80,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model = _model(
             dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
             span_hidden_size=64,
+        )
+    elif variant == "squad":  # bert-tiny (../shared/models/bert-tiny-mlm) in all three
+        tiny = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
+        c.model = _model(
+            dict(tiny, hidden_act="gelu"),
+            init_embedder_from=SHARED + "/models/bert-tiny-mlm",
+            init_reader_from=SHARED + "/models/bert-tiny-mlm",
+            init_embedders_from_ict="runs/squad-ict",
         )
     else:
         c.model = _model({})
@@ -90,7 +106,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.random_span_max = 3  # longest random span in words (random masking)
     c.data.skip_bad_input = False  # skip and count malformed input instead of stopping
     c.data.worker_count = 0  # grain worker processes (0 = in-process)
-    c.data.seed = 0  # shuffle seed
+    c.data.seed = 0  # shuffle seed (and the held-out split's hash)
+    c.data.eval_fraction = 0.05  # share of titles (or doc ids) whose sentences are held out
+    c.data.eval_split_key = "title"  # hold out by "title" (whole articles) or "doc_id"
     c.data.ner_processes = 1  # spaCy NER worker processes at prepare time (nlp.pipe n_process)
 
     # ---------------------------------------------------------------- mesh
@@ -100,10 +118,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # ---------------------------------------------------------------- train
     c.train = ml_collections.ConfigDict()
-    c.train.batch_size = {"smoke": 8, "small": 32, "base": 512}[variant]  # global batch
+    c.train.batch_size = {"smoke": 8, "small": 32, "base": 512}.get(variant, 32)  # global batch
     c.train.num_candidates = 4 if variant == "smoke" else 8  # incl. the null doc (paper: 8)
-    c.train.steps = {"smoke": 100, "small": 2000, "base": 200_000}[variant]  # optimizer steps
-    c.train.lr = {"smoke": 1e-3, "small": 1e-4, "base": 3e-5}[variant]  # peak LR (BERT AdamW)
+    c.train.steps = {"smoke": 100, "small": 2000, "base": 200_000}.get(
+        variant, 2000
+    )  # optimizer steps
+    c.train.lr = {"smoke": 1e-3, "small": 1e-4, "base": 3e-5}.get(
+        variant, 1e-4
+    )  # peak LR (BERT AdamW)
     c.train.warmup_steps = 10 if variant == "smoke" else -1  # -1: min(1e4, max(100, steps/10))
     c.train.weight_decay = 0.01  # AdamW decay, not on LayerNorm or biases
     c.train.grad_clip = 1.0  # global norm clipping
@@ -115,12 +137,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 10 if variant != "base" else 100  # steps between console/TensorBoard logs
     c.train.checkpoint_every = 20 if variant == "smoke" else 500  # steps between orbax saves
     c.train.keep_checkpoints = 3  # checkpoints kept
+    c.train.eval_every = 50 if variant == "smoke" else 500  # steps between held-out evals; 0 off
+    c.train.eval_batch_size = 8 if variant == "smoke" else 32  # global batch of an evaluation
+    c.train.eval_examples = 256 if variant == "smoke" else 1024  # held-out examples used (0 all)
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
 
     # ---------------------------------------------------------------- index refresh
     c.refresh = ml_collections.ConfigDict()
     c.refresh.mode = "external"  # external (refresh job) or inprocess (trainer re-embeds)
-    c.refresh.every = 20 if variant == "smoke" else 500  # steps between index swaps (paper ~500)
+    c.refresh.every = 20 if variant == "smoke" else 500  # inprocess: steps between re-embeddings
+    c.refresh.check_every = 10 if variant == "base" else 1  # external: steps between looks for
+    # a newly published index (on a pod each look is one broadcast from process 0)
     c.refresh.keep = 3  # index versions kept by the refresher
     c.refresh.max_staleness = 4 * (20 if variant == "smoke" else 500)  # warn above this many steps
     c.refresh.embed_batch_size = 64 if variant == "smoke" else 512  # blocks per embedding call
@@ -130,6 +157,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.refresh.scann_num_leaves = -1  # -1 = about sqrt(num_blocks)
     c.refresh.scann_leaves_to_search = -1  # -1 = about 5% of leaves (at least 10)
     c.refresh.scann_reorder = 100  # exact re-scoring of this many candidates
+    if variant == "squad":
+        _squad(c)
     return c
 
 
@@ -138,3 +167,23 @@ def sweep():
     return [
         {"train.lr": lr, "train.num_candidates": k} for lr in (5e-5, 1e-4, 3e-4) for k in (4, 8)
     ]
+
+
+def _squad(c: ml_collections.ConfigDict) -> None:
+    """The squad recipe's sizes: 2-CPU friendly, every number chosen for an hour's budget."""
+    c.data.corpus = SHARED + "/data/squad/corpus_train.jsonl"
+    c.data.data_dir = "runs/squad-data"  # shared by the ICT and REALM runs
+    c.data.block_len = 192
+    c.data.query_len = 64
+    c.data.ner_processes = 2
+    c.train.batch_size = 16
+    c.train.steps = 400
+    c.train.lr = 1e-4
+    c.train.warmup_steps = 40
+    c.train.log_every = 10
+    c.train.checkpoint_every = 100
+    c.train.eval_every = 100
+    c.train.eval_batch_size = 32
+    c.train.eval_examples = 512
+    c.refresh.every = 100
+    c.refresh.embed_batch_size = 256

@@ -1,4 +1,7 @@
+"""`python -m realm_jax`: the CLI; its exit status is the command's."""
+
+import sys
+
 from realm_jax.cli import main
 
-if __name__ == "__main__":
-    main()
+sys.exit(main())

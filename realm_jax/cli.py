@@ -13,7 +13,8 @@ import sys
 
 COMMANDS = {
     "prepare": "build the TFDS block and pre-training datasets from raw text",
-    "train": "pre-train REALM (trainer only; pair it with `refresh` in external mode)",
+    "train": "train config.task: REALM (trainer only; pair it with `refresh`) or ICT",
+    "ict": "the Inverse Cloze Task warm start of the embedders (configs/ict.py)",
     "refresh": "the index refresh job: re-embed the corpus from new checkpoints, publish",
     "local": "trainer + refresher together on one machine (Ctrl-C stops both)",
     "finetune": "open-domain QA fine-tuning (not yet implemented)",

@@ -19,11 +19,31 @@ def prepare(config, args) -> int:
     return 0
 
 
-def train(config, args) -> int:
-    from realm_jax import trainer
+def _task_train(config):
+    """The train function of config.task (realm or ict)."""
+    if config.task == "ict":
+        from realm_jax.ict.task import train as fn
+    elif config.task == "realm":
+        from realm_jax.trainer import train as fn
+    else:
+        raise ValueError(f"config.task must be realm or ict, got {config.task!r}")
+    return fn
 
-    trainer.train(config, args.workdir)
+
+def train(config, args) -> int:
+    _task_train(config)(config, args.workdir)
     return 0
+
+
+def ict(config, args) -> int:
+    """`realm-jax ict`: the Inverse Cloze Task (configs/ict.py)."""
+    if config.task != "ict":
+        print(
+            f"realm-jax ict: {args.config} is a {config.task!r} config; use configs/ict.py",
+            file=sys.stderr,
+        )
+        return 2
+    return train(config, args)
 
 
 def _load_tokens(config, workdir):
@@ -53,15 +73,14 @@ def _passthrough_args(args) -> list[str]:
 
 def local(config, args) -> int:
     """Trainer in this process, refresher as a child process; both stop together."""
-    from realm_jax import trainer
 
     child = None
-    if config.refresh.mode == "external":
+    if config.refresh.mode == "external" and config.task == "realm":
         cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]
         child = subprocess.Popen(cmd)
         log.info("local: started refresher (pid %d)", child.pid)
     try:
-        trainer.train(config, args.workdir)
+        _task_train(config)(config, args.workdir)
     finally:
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)

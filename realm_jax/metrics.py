@@ -25,8 +25,8 @@ class MetricWriter:
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:
             return
-        for k, v in values.items():
-            self.writer.add_scalar(k, float(v), step)
+        for k, v in values.items():  # TensorBoard tags may not hold '@'
+            self.writer.add_scalar(k.replace("@", "_at_"), float(v), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -59,12 +59,16 @@ class Progress:
         return {"steps_per_sec": rate, "eta_seconds": eta}
 
 
+INT_KEYS = ("staleness", "index_step")
+
+
 def line(step: int, total: int, values: dict[str, float], prog: dict[str, float]) -> str:
-    keys = ("loss", "accuracy", "retrieval_utility", "retrieval_entropy", "staleness")
+    """`step s/total | key value | ... | steps/s | ETA` for the values given, in order."""
     parts = [f"step {step}/{total}"] + [
-        f"{k} {values[k]:.4f}" if k != "staleness" else f"staleness {int(values[k])}"
-        for k in keys
-        if k in values
+        f"{k.removeprefix('eval/')} {int(v)}"
+        if k in INT_KEYS
+        else f"{k.removeprefix('eval/')} {v:.4f}"
+        for k, v in values.items()
     ]
     if prog:
         parts += [

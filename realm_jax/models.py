@@ -491,6 +491,33 @@ class RealmModel(nn.Module):
         return q, d, self.reader(*joint, positions, block_mask)
 
 
+class RetrieverModel(nn.Module):
+    """The two embedders alone (ICT): the same modules under the same names as RealmModel's,
+    so an ICT checkpoint's params["query_embedder"] / ["doc_embedder"] warm-start REALM."""
+
+    cfg: ModelConfig  # the embedders' architecture
+
+    @property
+    def uses_dropout(self) -> bool:
+        return max(self.cfg.dropout, self.cfg.proj_dropout) > 0
+
+    def setup(self):
+        self.query_embedder = Embedder(self.cfg)
+        if not self.cfg.share_embedders:
+            self.doc_embedder = Embedder(self.cfg)
+
+    def embed_query(self, ids, segment_ids, mask, train: bool = False):
+        return self.query_embedder(ids, segment_ids, mask, train)
+
+    def embed_doc(self, ids, segment_ids, mask, train: bool = False):
+        doc = self.query_embedder if self.cfg.share_embedders else self.doc_embedder
+        return doc(ids, segment_ids, mask, train)
+
+    def __call__(self, query, block):
+        """Touch both embedders once (for init). Each arg is an (ids, segs, mask) tuple."""
+        return self.embed_query(*query), self.embed_doc(*block)
+
+
 def realm_model(model_config) -> RealmModel:
     """The RealmModel that `config.model` describes."""
     return RealmModel(

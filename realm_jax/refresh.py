@@ -131,12 +131,40 @@ class IndexFeed:
             self.last_swap_seconds,
         )
 
+    def due(self, step: int) -> bool:
+        """Whether to look for a new index before `step`: every refresh.every steps in
+        inprocess mode (it re-embeds), every refresh.check_every steps in external mode, so a
+        published version is taken up within check_every steps (looking only every
+        refresh.every steps let staleness run to about twice that)."""
+        r = self.config.refresh
+        return step % (r.every if self.mode == "inprocess" else max(1, r.check_every)) == 0
+
+    def close(self) -> None:
+        """Release the trainer's lease on its index version (the refresher may delete it)."""
+        if self.mode == "external" and self.step >= 0 and jax.process_index() == 0:
+            index.release(self.dir, self.owner)
+
+    def _agreed_newest(self):
+        """The newest valid version newer than ours, the same on every process: process 0
+        looks, the others follow (a version published between two processes' looks must not
+        split them)."""
+        found = self._newest(self.step) if jax.process_index() == 0 else None
+        if jax.process_count() == 1:
+            return found
+        chosen = int(
+            multihost_utils.broadcast_one_to_all(np.int64(-1 if found is None else found[0]))
+        )
+        if chosen < 0:
+            return None
+        return chosen, os.path.join(self.dir, index.version_name(chosen))
+
     def maybe_refresh(self, params, step: int) -> bool:
-        """Called every refresh.every steps; True when the index changed."""
+        """Swap in a newer index if one is published (re-embed in inprocess mode); True when
+        the index changed."""
         if self.mode == "inprocess":
             self.reembed(params, step)
             return True
-        found = self._newest(self.step)
+        found = self._agreed_newest()
         if found is not None:
             self._load_published(*found)
             return True

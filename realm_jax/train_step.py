@@ -164,14 +164,14 @@ def block_segments(tokens):
     return jnp.where(tokens != 0, seg, False).astype(jnp.int32)
 
 
-def _dropout(rng, i: int) -> dict:
+def dropout_kwargs(rng, i: int) -> dict:
     """apply() kwargs: dropout on with a per-network key when training (rng given)."""
     if rng is None:
         return {}
     return {"train": True, "rngs": {"dropout": jax.random.fold_in(rng, i)}}
 
 
-def embed_block_tokens(model: RealmModel, params, tokens, rng=None):
+def embed_block_tokens(model, params, tokens, rng=None):
     """Document-embedder output for block token ids [N, Lb] -> [N, D] (segments and mask
     derived from the tokens); dropout when an rng is given."""
     return model.apply(
@@ -179,8 +179,8 @@ def embed_block_tokens(model: RealmModel, params, tokens, rng=None):
         tokens,
         block_segments(tokens),
         (tokens != 0).astype(jnp.int32),
-        method=RealmModel.embed_doc,
-        **_dropout(rng, 1),
+        method="embed_doc",  # RealmModel's or RetrieverModel's
+        **dropout_kwargs(rng, 1),
     )
 
 
@@ -246,7 +246,7 @@ def retrieve(
         jnp.zeros_like(q_ids),
         (q_ids != 0).astype(jnp.int32),
         method=RealmModel.embed_query,
-        **_dropout(rng, 0),
+        **dropout_kwargs(rng, 0),
     )  # [B, D]
     k = num_candidates - 1
     _, ids, tokens = retrieval.search_and_fetch(
@@ -310,7 +310,7 @@ def read_candidates(model: RealmModel, params, query_ids, cands, positions, leng
             mask,
             pos,
             method=RealmModel.mlm_features,
-            **_dropout(rng, i),
+            **dropout_kwargs(rng, i),
         )
 
     hits, table, bias = read(

@@ -205,7 +205,7 @@ def test_prepare_idempotent_and_fingerprint_mismatch(tmp_path, tiny_corpus, caps
     title, text = P.block_text(d, 0)
     assert title == titles[0] and text.startswith("The 2008 Sichuan earthquake")
     ex = P.examples_source(d)[0]
-    assert ex["token_ids"][0] == tk.CLS_ID and ex["span_label"] == b"RANDOM"
+    assert ex["token_ids"][0] == tk.CLS_ID and ex["span_labels"] == b"RANDOM"
     capsys.readouterr()
     assert P.prepare(cfg, d) == s
     assert "reusing" in capsys.readouterr().out
@@ -233,7 +233,11 @@ def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
             loader(d)
     monkeypatch.undo()  # a rerun cleans up and completes
     P.prepare(_config(tiny_corpus, "data.masking=random"), d)
-    assert sorted(os.listdir(d)) == ["blocks", "examples", "summary.json"]
+    names = sorted(os.listdir(d))
+    assert names in (
+        ["blocks", "examples", "summary.json"],
+        ["blocks", "eval_examples", "examples", "summary.json"],
+    )
     assert P.load_blocks(d)[0].shape[0] > 0
 
 
@@ -246,7 +250,10 @@ def test_prepare_squad_head_with_ner(tmp_path):
     c = s["counts"]
     assert c["documents"] == 200 and c["blocks"] >= 200 and c["examples"] > 400
     if s["masking"] == "salient":
-        labels = {P.examples_source(d)[i]["span_label"] for i in range(200)}
+        src = P.examples_source(d)
+        labels = {lab for i in range(200) for lab in src[i]["span_labels"].split(b",")}
         assert b"DATE" in labels and len(labels) > 3
+        # every usable span is kept (the pipeline draws one per epoch)
+        assert max(len(src[i]["span_starts"]) for i in range(200)) > 1
     with open(os.path.join(d, "summary.json")) as f:
         assert json.load(f)["complete"] is True

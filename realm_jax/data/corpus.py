@@ -46,6 +46,7 @@ class Block:
     token_ids: list[int]
     body_start: int  # index of the first body wordpiece in token_ids
     sentences: list[tuple[int, int]]  # char spans within `text` of the block's sentences
+    sentence_starts: list[int] = dataclasses.field(default_factory=list)  # in token_ids
 
 
 class _Reader:
@@ -240,6 +241,7 @@ def split_blocks(
             for s, e in ranges
             if s < b and e > a
         ]
+        starts = [max(s, a) - a + len(head) for s, e in ranges if s < b and e > a]
         blocks.append(
             Block(
                 first_id + len(blocks),
@@ -249,6 +251,7 @@ def split_blocks(
                 head + list(ids[a:b]) + [tk.SEP_ID],
                 len(head),
                 spans,
+                starts,
             )
         )
     return blocks

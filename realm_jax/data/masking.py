@@ -128,13 +128,21 @@ class Masker:
         )
 
     def choose(self, sentence_id: int, text: str, offsets, cands) -> Span | None:
-        """The masked span for one sentence (wordpiece positions without [CLS]) or None."""
+        """One masked span for one sentence (wordpiece positions without [CLS]) or None."""
+        spans = self.choices(sentence_id, text, offsets, cands)
+        return random.Random(f"{self.seed}:{sentence_id}").choice(spans) if spans else None
+
+    def choices(self, sentence_id: int, text: str, offsets, cands) -> list[Span]:
+        """Every usable salient span of one sentence, in order (the input pipeline draws one
+        per epoch, as the release draws one per generated example); random masking gives one
+        random span. Empty when none fits."""
         rng = random.Random(f"{self.seed}:{sentence_id}")
         if self.mode == "random":
-            return self._random(rng, text, offsets)
+            span = self._random(rng, text, offsets)
+            return [] if span is None else [span]
         if not cands:
             self.stats["skipped_no_span"] += 1
-            return None
+            return []
         spans = {}
         for cs, ce, label in cands:
             wp = to_wordpieces(offsets, cs, ce)
@@ -143,12 +151,12 @@ class Masker:
         ok = [(a, b, lab) for (a, b), lab in sorted(spans.items()) if b - a < self.max_pred]
         if not ok:
             self.stats["skipped_span_too_long" if spans else "skipped_no_span"] += 1
-            return None
+            return []
         ok = [s for s in ok if s[1] < self.max_tokens]
         if not ok:
             self.stats["skipped_span_truncated"] += 1
-            return None
-        return rng.choice(ok)
+            return []
+        return ok
 
     def _random(self, rng: random.Random, text: str, offsets) -> Span | None:
         words = [m.span() for m in re.finditer(r"\S+", text)]

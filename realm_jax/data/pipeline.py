@@ -20,32 +20,44 @@ from realm_jax import tokenization as tk
 from realm_jax.data import prepare as prepare_lib
 
 
+def mask_example(rec: dict, span: int, query_len: int, max_predictions: int) -> dict:
+    """One example record -> fixed-shape arrays with its salient span number `span` replaced
+    by [MASK] (a span longer than max_predictions keeps its first max_predictions pieces)."""
+    q = tk.pad_to(rec["token_ids"], query_len)  # [query_len]
+    a, b = int(rec["span_starts"][span]), int(rec["span_ends"][span])
+    b = min(b, a + max_predictions - 1, query_len - 1)
+    n = b - a + 1
+    positions = np.zeros((max_predictions,), np.int32)  # [max_predictions]
+    targets = np.zeros((max_predictions,), np.int32)
+    weights = np.zeros((max_predictions,), np.float32)
+    positions[:n] = np.arange(a, b + 1)
+    targets[:n] = q[a : b + 1]
+    weights[:n] = 1.0
+    q[a : b + 1] = tk.MASK_ID
+    return {
+        "query_ids": q,
+        "mlm_positions": positions,
+        "mlm_targets": targets,
+        "mlm_weights": weights,
+        "block_id": np.int32(rec["block_id"]),
+    }
+
+
 @dataclasses.dataclass(frozen=True)
-class MaskSpan(grain.transforms.Map):
-    """One example record -> fixed-shape arrays with its salient span replaced by [MASK]."""
+class MaskSpan(grain.transforms.RandomMap):
+    """Masks one of the example's salient spans, drawn anew each time the example is read.
+
+    grain seeds `rng` from the sampler's seed and the record's position in the global order,
+    which grows across epochs: each epoch draws its own span (as the release draws one per
+    generated example), the draw is a pure function of (seed, position), and a restored
+    iterator continues with exactly the draws it would have made."""
 
     query_len: int
     max_predictions: int
 
-    def map(self, rec: dict) -> dict[str, np.ndarray]:
-        q = tk.pad_to(rec["token_ids"], self.query_len)  # [query_len]
-        a, b = int(rec["span_start"]), int(rec["span_end"])
-        b = min(b, a + self.max_predictions - 1, self.query_len - 1)
-        n = b - a + 1
-        positions = np.zeros((self.max_predictions,), np.int32)  # [max_predictions]
-        targets = np.zeros((self.max_predictions,), np.int32)
-        weights = np.zeros((self.max_predictions,), np.float32)
-        positions[:n] = np.arange(a, b + 1)
-        targets[:n] = q[a : b + 1]
-        weights[:n] = 1.0
-        q[a : b + 1] = tk.MASK_ID
-        return {
-            "query_ids": q,
-            "mlm_positions": positions,
-            "mlm_targets": targets,
-            "mlm_weights": weights,
-            "block_id": np.int32(rec["block_id"]),
-        }
+    def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        span = int(rng.integers(len(rec["span_starts"])))
+        return mask_example(rec, span, self.query_len, self.max_predictions)
 
 
 def local_batch_size(global_batch_size: int) -> int:
@@ -82,7 +94,7 @@ def train_loader(
         seed=seed,
     )
     ops = [
-        MaskSpan(data.query_len, data.max_predictions),
+        MaskSpan(data.query_len, data.max_predictions),  # [b, ...] after Batch
         grain.transforms.Batch(batch_size=b, drop_remainder=True),
     ]
     return grain.DataLoader(
@@ -98,3 +110,33 @@ def iterator_save_args(it) -> grain.checkpoint.CheckpointSave:
 def iterator_restore_args(it) -> grain.checkpoint.CheckpointRestore:
     """orbax args that restore a grain DataLoader iterator's state in place."""
     return grain.checkpoint.CheckpointRestore(it)
+
+
+def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
+    """The held-out examples as a fixed list of this process's batches (the same every
+    evaluation: the first `max_examples` (all when <= 0), whole global batches only, each
+    example's span drawn by a generator seeded with its id)."""
+    source = prepare_lib.examples_source(data_dir, "eval")
+    n = len(source) if max_examples <= 0 else min(len(source), max_examples)
+    b = local_batch_size(batch_size)
+    n_batches = n // batch_size
+    if n_batches == 0:
+        raise ValueError(
+            f"{data_dir}: {len(source)} held-out examples cannot fill one evaluation batch of "
+            f"{batch_size}: lower train.eval_batch_size or raise data.eval_fraction"
+        )
+    d, out = config.data, []
+    first = jax.process_index() * b
+    for i in range(n_batches):
+        recs = [source[i * batch_size + first + j] for j in range(b)]
+        ex = [
+            mask_example(
+                r,
+                int(np.random.default_rng(int(r["example_id"])).integers(len(r["span_starts"]))),
+                d.query_len,
+                d.max_predictions,
+            )
+            for r in recs
+        ]
+        out.append({k: np.stack([e[k] for e in ex]) for k in ex[0]})
+    return out

@@ -4,10 +4,18 @@ Layout of a prepared data_dir:
   <data_dir>/blocks/realm_blocks/1.0.0/      block_id, doc_id, title, text, token_ids
                                              (record i has block_id i; token_ids unpadded
                                              [CLS] title [SEP] body [SEP], int32)
-  <data_dir>/examples/realm_examples/1.0.0/  example_id, block_id (-1: separate text), text,
-                                             token_ids ([CLS] x [SEP], <= query_len), span_start,
-                                             span_end (inclusive positions in token_ids),
-                                             span_label ("DATE", "PERSON", ..., "RANDOM")
+                                             sentence_starts (each body sentence's first
+                                             position in token_ids: ICT's queries)
+  <data_dir>/examples/realm_examples/1.0.0/  example_id, block_id (-1: separate text), doc_id,
+                                             text, token_ids ([CLS] x [SEP], <= query_len),
+                                             span_starts, span_ends (every usable salient span,
+                                             inclusive positions in token_ids; the pipeline
+                                             draws one per epoch), span_labels ("DATE,PERSON")
+  <data_dir>/eval_examples/realm_examples/1.0.0/  the same for the held-out documents:
+                                             data.eval_fraction of the titles (or doc ids),
+                                             chosen by a hash, so no sentence of a held-out
+                                             article is trained on; their blocks stay in the
+                                             corpus (retrieval may find them)
   <data_dir>/summary.json                    counts, fingerprint, config; written LAST: a folder
                                              without it is incomplete and loaders refuse it.
 Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end.
@@ -33,7 +41,7 @@ from realm_jax import tokenization as tk
 from realm_jax.data import corpus as corpus_lib
 from realm_jax.data import masking
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUMMARY = "summary.json"
 FP_FIELDS = (
     "block_len",
@@ -45,6 +53,8 @@ FP_FIELDS = (
     "random_span_max",
     "skip_bad_input",
     "seed",
+    "eval_fraction",
+    "eval_split_key",
 )
 CHUNK = 512  # documents tokenised per batch
 
@@ -84,6 +94,7 @@ class RealmBlocks(_Builder):
         "title": tfds.features.Text(),
         "text": tfds.features.Text(),
         "token_ids": _INT_SEQ,
+        "sentence_starts": _INT_SEQ,
     }
 
 
@@ -91,11 +102,12 @@ class RealmExamples(_Builder):
     FEATURES = {
         "example_id": np.int64,
         "block_id": np.int64,
+        "doc_id": tfds.features.Text(),
         "text": tfds.features.Text(),
         "token_ids": _INT_SEQ,
-        "span_start": np.int64,
-        "span_end": np.int64,
-        "span_label": tfds.features.Text(),
+        "span_starts": _INT_SEQ,
+        "span_ends": _INT_SEQ,
+        "span_labels": tfds.features.Text(),
     }
 
 
@@ -143,10 +155,32 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
     return blocks
 
 
-def _sentences(data, blocks, stats) -> tuple[list[str], list[int]]:
-    """Pre-training sentences and their source block ids (-1 for separate text)."""
+def is_eval(key: str, fraction: float, seed: int) -> bool:
+    """Whether a title (or doc id) is held out: a hash of (seed, key) below `fraction`, so the
+    split is the same on every run and needs no list of held-out keys."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def _split_key(data, doc_id: str, title: str) -> str:
+    if data.eval_split_key not in ("title", "doc_id"):
+        raise PrepareError(
+            f"data.eval_split_key must be 'title' or 'doc_id', got {data.eval_split_key!r}"
+        )
+    return title if data.eval_split_key == "title" and title else doc_id
+
+
+def _sentences(data, blocks, stats) -> tuple[list[str], list[int], list[str], list[bool]]:
+    """Pre-training sentences, their source block ids (-1 for separate text), doc ids and
+    whether each is held out for evaluation."""
     if not data.sentences:
-        pairs = [(b.text[cs:ce], b.block_id) for b in blocks for cs, ce in b.sentences]
+        pairs = [
+            (b.text[cs:ce], b.block_id, b.doc_id, _split_key(data, b.doc_id, b.title))
+            for b in blocks
+            for cs, ce in b.sentences
+        ]
     else:
         sub = collections.Counter()
         docs = list(
@@ -154,14 +188,20 @@ def _sentences(data, blocks, stats) -> tuple[list[str], list[int]]:
         )
         stats.update({f"sentences_{k}": v for k, v in sub.items()})
         spans = masking.split_sentences(text for _, _, text in docs)
-        pairs = [(t[a:b], -1) for (_, _, t), sp in zip(docs, spans, strict=True) for a, b in sp]
+        pairs = [
+            (t[a:b], -1, d, _split_key(data, d, title))
+            for (d, title, t), sp in zip(docs, spans, strict=True)
+            for a, b in sp
+        ]
     stats["sentences"] = len(pairs)
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+    held = [is_eval(p[3], data.eval_fraction, data.seed) for p in pairs]
+    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs], held
 
 
-def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict], str]:
-    """Masked pre-training examples; returns (records, effective masking mode)."""
-    texts, block_ids = _sentences(data, blocks, stats)
+def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict], list[dict], str]:
+    """Masked pre-training examples; returns (train records, held-out records, effective
+    masking mode)."""
+    texts, block_ids, doc_ids, held = _sentences(data, blocks, stats)
     encs = tk.wordpieces(texts)
     keep = [i for i, e in enumerate(encs) if len(e.ids) >= data.min_sentence_tokens]
     stats["skipped_short_sentence"] += len(texts) - len(keep)
@@ -176,26 +216,29 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
         ner_processes=data.ner_processes,
     )
     cands = masker.candidates([texts[i] for i in keep])
-    records = []
+    records, eval_records = [], []
     desc = f"examples: {'NER' if masker.mode == 'salient' else 'random'} masking"
     for i, cand in tqdm(zip(keep, cands, strict=False), total=len(keep), desc=desc, unit="sent"):
-        span = masker.choose(i, texts[i], encs[i].offsets, cand)
-        if span is None:
+        spans = masker.choices(i, texts[i], encs[i].offsets, cand)
+        if not spans:
             continue
-        a, b, label = span
-        records.append(
+        out = eval_records if held[i] else records
+        out.append(
             {
-                "example_id": len(records),
+                "example_id": len(out),
                 "block_id": block_ids[i],
+                "doc_id": doc_ids[i],
                 "text": texts[i],
                 "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
-                "span_start": a + 1,
-                "span_end": b + 1,
-                "span_label": label,  # +1: the [CLS]
+                "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # +1: [CLS]
+                "span_ends": np.asarray([b + 1 for _, b, _ in spans], np.int32),
+                "span_labels": ",".join(label for _, _, label in spans),
             }
         )
     stats["examples"] = len(records)
-    return records, masker.mode
+    stats["eval_examples"] = len(eval_records)
+    stats["salient_spans"] = sum(len(r["span_starts"]) for r in records + eval_records)
+    return records, eval_records, masker.mode
 
 
 def _block_records(blocks):
@@ -206,6 +249,7 @@ def _block_records(blocks):
             "title": b.title,
             "text": b.text,
             "token_ids": np.asarray(b.token_ids, np.int32),
+            "sentence_starts": np.asarray(b.sentence_starts, np.int32),
         }
 
 
@@ -265,9 +309,10 @@ def _publish(tmp: str, data_dir: str, summary: dict) -> None:
     final = os.path.join(data_dir, SUMMARY)
     if os.path.exists(final):
         os.remove(final)  # from here on the old datasets are no longer loadable
-    for name in ("blocks", "examples"):
+    for name in ("blocks", "examples", "eval_examples"):
         shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
-        os.rename(os.path.join(tmp, name), os.path.join(data_dir, name))
+        if os.path.exists(os.path.join(tmp, name)):
+            os.rename(os.path.join(tmp, name), os.path.join(data_dir, name))
     with open(os.path.join(tmp, SUMMARY), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
         f.flush()
@@ -278,7 +323,7 @@ def _publish(tmp: str, data_dir: str, summary: dict) -> None:
 
 def _print_summary(s: dict) -> None:
     print(f"prepared {s['data_dir']} in {s['elapsed_s']:.1f}s (masking: {s['masking']})")
-    for key in ("documents", "blocks", "sentences", "examples"):
+    for key in ("documents", "blocks", "sentences", "examples", "eval_examples"):
         print(f"  {key:<28}{s['counts'].get(key, 0):>10}")
     for key, v in sorted(s["counts"].items()):
         if "skipped" in key:
@@ -304,9 +349,16 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
     blocks = build_blocks(data, stats)
     if not blocks:
         raise PrepareError(f"{data.corpus}: no usable documents")
-    records, mode = build_examples(data, blocks, stats)
+    records, eval_records, mode = build_examples(data, blocks, stats)
+    if not records:
+        raise PrepareError(
+            f"{data.corpus}: no pre-training examples (no sentence with a usable "
+            f"{'salient span' if mode == 'salient' else 'span'}); counts: {dict(stats)}"
+        )
     _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
     _write(RealmExamples, records, os.path.join(tmp, "examples"))
+    if eval_records:  # TFDS cannot write an empty dataset; loaders say what is missing
+        _write(RealmExamples, eval_records, os.path.join(tmp, "eval_examples"))
     summary = {
         "complete": True,
         "created": time.time(),
@@ -345,6 +397,12 @@ def load_summary(data_dir: str) -> dict:
             f"{data_dir} holds {what}: no {SUMMARY}. Run `realm-jax prepare` "
             "(with --overwrite if needed) first."
         )
+    if s.get("format_version") != FORMAT_VERSION:
+        raise PrepareError(
+            f"{data_dir} was prepared in format v{s.get('format_version')} by an older "
+            f"realm-jax; this one reads v{FORMAT_VERSION}: re-run `realm-jax prepare "
+            "--overwrite`"
+        )
     return s
 
 
@@ -365,9 +423,17 @@ def blocks_source(data_dir: str):
     return _source(data_dir, "blocks", "realm_blocks")
 
 
-def examples_source(data_dir: str):
-    """Random-access TFDS data source of the masked pre-training examples."""
-    return _source(data_dir, "examples", "realm_examples")
+def examples_source(data_dir: str, split: str = "train"):
+    """Random-access TFDS data source of the pre-training examples (split "train") or of the
+    held-out ones ("eval")."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be train or eval, got {split!r}")
+    if split == "eval" and not load_summary(data_dir)["counts"].get("eval_examples"):
+        raise PrepareError(
+            f"{data_dir} has no held-out examples: prepare with --config.data.eval_fraction > 0 "
+            "(the default holds out 5% of titles), or set train.eval_every=0"
+        )
+    return _source(data_dir, "examples" if split == "train" else "eval_examples", "realm_examples")
 
 
 def load_blocks(data_dir: str, chunk: int = 4096) -> tuple[np.ndarray, list[str], list[str]]:

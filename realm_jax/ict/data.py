@@ -1,0 +1,148 @@
+"""ICT examples from the prepared blocks, as ORQA's ict_dataset.py builds them.
+
+Each training block gives one example per epoch: a sentence drawn at random is the query
+(`[CLS] sentence [SEP]`), and the block with that sentence removed (mask_rate of the time)
+is its positive. Blocks of held-out titles (prepare's eval split) are never trained on.
+Where we differ on purpose: ORQA drops a masked example of a one-sentence block (nothing
+would be left); we keep such blocks unmasked, so every batch is full and fixed-shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from realm_jax import tokenization as tk
+from realm_jax.data import pipeline
+from realm_jax.data import prepare as prepare_lib
+
+
+class BlockSubset:
+    """A random-access source over some of the blocks (the training titles' blocks)."""
+
+    def __init__(self, source, ids: np.ndarray):
+        self.source, self.ids = source, np.asarray(ids, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return self.source[int(self.ids[i])]
+
+
+def train_block_ids(data, titles: list[str], doc_ids: list[str]) -> np.ndarray:
+    """Blocks whose title (or doc id) is not held out: the same split prepare made."""
+    keep = [
+        i
+        for i, (t, d) in enumerate(zip(titles, doc_ids, strict=True))
+        if not prepare_lib.is_eval(
+            t if data.eval_split_key == "title" and t else d, data.eval_fraction, data.seed
+        )
+    ]
+    return np.asarray(keep, np.int64)
+
+
+def ict_pair(
+    rec: dict, rng: np.random.Generator, query_len: int, block_len: int, mask_rate: float
+) -> dict[str, np.ndarray]:
+    """One block record -> {query_ids [query_len], block_ids [block_len]} (zero-padded)."""
+    tok = np.asarray(rec["token_ids"], np.int32)  # [CLS] title [SEP] body [SEP]
+    starts = np.asarray(rec["sentence_starts"], np.int64)
+    if len(starts) == 0:  # no sentence boundary recorded: the whole body is the query
+        starts = np.asarray([int(np.flatnonzero(tok == tk.SEP_ID)[0]) + 1])
+    ends = np.append(starts[1:], len(tok) - 1)  # the last sentence stops before the [SEP]
+    i = int(rng.integers(len(starts)))
+    a, b = int(starts[i]), int(ends[i])
+    query = tk.pad_to(tk.query_ids(tok[a:b].tolist(), query_len), query_len)
+    block = tok
+    if len(starts) > 1 and rng.random() < mask_rate:
+        block = np.concatenate([tok[:a], tok[b:]])
+    return {
+        "query_ids": np.asarray(query, np.int32),
+        "block_ids": np.asarray(tk.pad_to(block[:block_len], block_len), np.int32),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class IctPair(grain.transforms.RandomMap):
+    """grain seeds `rng` by (seed, position in the global order): a new sentence per epoch,
+    deterministic and exactly resumable."""
+
+    query_len: int
+    block_len: int
+    mask_rate: float
+
+    def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return ict_pair(rec, rng, self.query_len, self.block_len, self.mask_rate)
+
+
+def train_loader(config, data_dir: str, train_ids: np.ndarray) -> grain.DataLoader:
+    """This process's batches of ICT pairs: query_ids [b, query_len], block_ids [b, block_len]."""
+    d, tc = config.data, config.train
+    source = BlockSubset(prepare_lib.blocks_source(data_dir), train_ids)
+    b = pipeline.local_batch_size(tc.batch_size)
+    if len(source) < tc.batch_size:
+        raise ValueError(
+            f"{data_dir}: {len(source)} training blocks cannot fill one ICT batch of "
+            f"{tc.batch_size}"
+        )
+    sampler = grain.samplers.IndexSampler(
+        num_records=len(source),
+        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
+        shuffle=True,
+        num_epochs=None,
+        seed=d.seed,
+    )
+    ops = [
+        IctPair(d.query_len, d.block_len, config.ict.mask_rate),
+        grain.transforms.Batch(batch_size=b, drop_remainder=True),
+    ]
+    return grain.DataLoader(
+        data_source=source, sampler=sampler, operations=ops, worker_count=d.worker_count
+    )
+
+
+def eval_queries(data_dir: str, query_len: int, max_examples: int):
+    """Held-out sentences (unmasked) and their own block ids: (query_ids [Q, Lq], block_id [Q],
+    texts)."""
+    source = prepare_lib.examples_source(data_dir, "eval")
+    n = len(source) if max_examples <= 0 else min(len(source), max_examples)
+    recs = [source[i] for i in range(n)]
+    q = np.stack([tk.pad_to(r["token_ids"], query_len) for r in recs]).astype(np.int32)
+    own = np.asarray([int(r["block_id"]) for r in recs], np.int64)
+    return q, own, [r["text"].decode() for r in recs]
+
+
+def _find(hay: np.ndarray, needle: np.ndarray) -> int:
+    """First index of `needle` as a contiguous run in `hay`, or -1."""
+    n = len(needle)
+    if n == 0 or n > len(hay):
+        return -1
+    hits = np.flatnonzero(hay[: len(hay) - n + 1] == needle[0])
+    for h in hits:
+        if np.array_equal(hay[h : h + n], needle):
+            return int(h)
+    return -1
+
+
+def cut_out(
+    tokens: np.ndarray, texts: list[str], own: np.ndarray, queries: np.ndarray, sentences: list[str]
+):
+    """The evaluation corpus: each held-out sentence cut out of its own block, in the token
+    table (for the dense retriever) and in the block text (for BM25), so that neither finds
+    its block by the sentence itself (as ICT's masked examples train for). Returns (tokens
+    [N, Lb], texts, number of queries whose sentence was found and cut)."""
+    tokens, texts, cut = tokens.copy(), list(texts), 0
+    for q, b, sent in zip(queries, own, sentences, strict=True):
+        body = q[1 : int((q != 0).sum()) - 1]  # [CLS] x [SEP] -> x
+        row = tokens[b]
+        at = _find(row, body)
+        if at < 0:
+            continue
+        kept = np.concatenate([row[:at], row[at + len(body) :]])
+        tokens[b] = tk.pad_to(kept, len(row))
+        texts[b] = texts[b].replace(sent, " ", 1)
+        cut += 1
+    return tokens, texts, cut

@@ -1,0 +1,126 @@
+"""REALM's held-out evaluation: what retrieval is worth to the reader on unseen sentences.
+
+Metrics (averaged over the held-out examples of prepare's eval split, masks fixed):
+  accuracy             masked wordpieces predicted right by the marginal over candidates
+  null_only_accuracy   the same reader given only the null document (no retrieval)
+  retrieval_utility    log p(y|x) - log p(y|x, null), per target (the release's metric)
+  retrieval_entropy    entropy of p(z|x) over the K candidates (0 = one-hot)
+  null_doc_prob        p(null | x)
+  same_title_fraction  retrieved blocks that share the query's title (the own block is
+                       never retrieved, so these are real same-article hits) ...
+  same_title_random    ... and the same fraction for blocks drawn uniformly at random
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from realm_jax import losses, sharding, train_step
+
+SUMMED = ("loss", "accuracy", "null_only_accuracy", "retrieval_utility")  # per target
+PER_QUERY = ("retrieval_entropy", "null_doc_prob")
+
+
+def eval_metrics(
+    params,
+    batch,
+    index_emb,
+    index_tokens,
+    *,
+    model,
+    mesh,
+    num_candidates,
+    num_valid,
+    length,
+    vocab_chunk,
+):
+    """Metrics of one held-out batch (no dropout) + the retrieved ids [B, K-1]."""
+    _, relevance, cands, ids = train_step.retrieve(
+        params,
+        batch,
+        index_emb,
+        index_tokens,
+        model=model,
+        mesh=mesh,
+        num_candidates=num_candidates,
+        num_valid=num_valid,
+    )
+    features, table, bias = train_step.read_candidates(
+        model, params, batch["query_ids"], cands, batch["mlm_positions"], length
+    )  # [B, K, P, H]
+    targets, weights = batch["mlm_targets"], batch["mlm_weights"]
+    _, metrics = losses.fused_marginal_loss(
+        relevance, features, table, bias, targets, weights, chunk=vocab_chunk
+    )
+    null_logits = jnp.einsum("bph,vh->bpv", features[:, 0], table) + bias  # [B, P, V]
+    null_right = (jnp.argmax(null_logits, -1) == targets).astype(jnp.float32) * weights
+    metrics["null_only_accuracy"] = null_right.sum() / jnp.maximum(weights.sum(), 1.0)
+    metrics["retrieved_ids"] = ids
+    return metrics
+
+
+def compile_eval(config, mesh, model, num_valid: int):
+    fn = functools.partial(
+        eval_metrics,
+        model=model,
+        mesh=mesh,
+        num_candidates=config.train.num_candidates,
+        num_valid=num_valid,
+        length=train_step.joint_len(config),
+        vocab_chunk=max(config.train.mlm_vocab_chunk, 0),
+    )
+    rows = sharding.rows_sharding(mesh)
+    return jax.jit(
+        fn,
+        in_shardings=(None, sharding.batch_sharding(mesh), rows, rows),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+
+
+class RealmEvaluator:
+    """Evaluates the held-out batches against the trainer's current index."""
+
+    def __init__(self, config, mesh, model, feed, batches: list[dict], titles: list[str]):
+        self.mesh, self.feed, self.batches = mesh, feed, batches
+        self.fn = compile_eval(config, mesh, model, feed.num_blocks)
+        self.titles = np.asarray(titles, dtype=object)
+        counts = collections.Counter(titles)
+        self.title_count = np.asarray([counts[t] for t in titles], np.float64)
+
+    def __call__(self, state, step: int) -> dict[str, float]:
+        sums = collections.Counter()
+        same = rand = n_q = 0.0
+        for local in self.batches:
+            batch = sharding.global_batch(local, self.mesh)
+            m = jax.device_get(self.fn(state.params, batch, self.feed.emb, self.feed.tokens))
+            n_t, b = float(m["num_targets"]), len(m["retrieved_ids"])
+            sums["targets"] += n_t
+            for k in SUMMED:
+                sums[k] += float(m[k]) * n_t
+            for k in PER_QUERY:
+                sums[k] += float(m[k]) * b
+            sums["queries"] += b
+            own = np.asarray(local["block_id"])
+            if jax.process_count() > 1:  # the global batch's own ids, as ids are
+                own = np.asarray(multihost_utils.process_allgather(own, tiled=True))
+            ids = np.asarray(m["retrieved_ids"])
+            ok = own >= 0
+            same += (self.titles[ids[ok]] == self.titles[own[ok]][:, None]).mean(1).sum()
+            n = len(self.titles)
+            rand += ((self.title_count[own[ok]] - 1) / max(n - 1, 1)).sum()
+            n_q += ok.sum()
+        out = {k: sums[k] / max(sums["targets"], 1.0) for k in SUMMED}
+        out.update({k: sums[k] / max(sums["queries"], 1.0) for k in PER_QUERY})
+        out["same_title_fraction"] = same / max(n_q, 1.0)
+        out["same_title_random"] = rand / max(n_q, 1.0)
+        out["examples"] = sums["queries"]
+        out["index_step"] = self.feed.step
+        return out

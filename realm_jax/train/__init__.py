@@ -1,0 +1,1 @@
+"""The training loop every task shares (REALM pre-training, ICT, ORQA fine-tuning)."""

@@ -1,0 +1,167 @@
+"""One loop for every task: resume / warm start / scratch, data, step, evaluation,
+checkpoints, preemption, TensorBoard and progress. A task supplies the rest (`Task`), as
+big_vision's trainers and t5x's models do: its state, its jitted step, its evaluation, its
+metrics. A fix here (checkpointing, the stop signal, logging) lands once for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from realm_jax import checkpoint, sharding
+from realm_jax.metrics import MetricWriter, Progress, line
+
+log = logging.getLogger("realm_jax.train")
+
+
+@dataclasses.dataclass
+class Task:
+    """What a task gives the loop.
+
+    step(state, global_batch) -> (state, metrics): the jitted update (metrics stay on device
+    until a log step). before_step(step, state) -> dict: host work before a step (REALM's
+    index swap), extra values to log. evaluate(state, step) -> dict of floats: held-out
+    metrics, logged under "eval/". console_keys: the metrics printed on the console line.
+    """
+
+    name: str
+    step: Callable[[Any, dict], tuple[Any, dict]]
+    evaluate: Callable[[Any, int], dict[str, float]] | None = None
+    before_step: Callable[[int, Any], dict] | None = None
+    console_keys: tuple[str, ...] = ("loss",)
+    eval_console_keys: tuple[str, ...] = ()
+    close: Callable[[], None] | None = None
+
+
+def init_or_resume(mgr, state, shardings, it, data_args):
+    """(start step, state): resume from the newest restorable checkpoint (weights, optimizer
+    and data iterator), else keep the given (scratch or warm-started) state and save it as
+    step 0, which the refresh job embeds first. `data_args` are pipeline's iterator
+    (save_args, restore_args) functions."""
+    save_args, restore_args = data_args
+    restored = checkpoint.restore_latest(
+        mgr, checkpoint.abstract_like(state, shardings), lambda: restore_args(it)
+    )
+    if restored is not None:
+        log.info("resumed from checkpoint %d", restored[0])
+        return restored
+    checkpoint.save(mgr, 0, state, save_args(it))
+    mgr.wait_until_finished()
+    return 0, state
+
+
+class StopSignal:
+    """Set by SIGTERM/SIGINT (preemption): the loop saves a checkpoint and exits."""
+
+    def __init__(self, external: threading.Event | None = None):
+        self.event = external or threading.Event()
+        self.signum = None
+        self.previous = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, _frame):
+            self.signum = signum
+            self.event.set()
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self.previous[s] = signal.signal(s, handler)
+
+    def uninstall(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+    def any_process(self) -> bool:
+        flag = self.event.is_set()
+        if jax.process_count() > 1:
+            flag = bool(multihost_utils.process_allgather(np.array(flag)).any())
+        return flag
+
+
+def _console(prefix: str, step: int, total: int, values: dict, keys, prog: dict) -> str:
+    shown = {k: values[k] for k in keys if k in values}
+    return prefix + line(step, total, shown, prog)
+
+
+def run(
+    config,
+    workdir: str,
+    task: Task,
+    state,
+    it,
+    mgr,
+    start: int,
+    save_args: Callable,
+    stop_event: threading.Event | None = None,
+) -> list[dict]:
+    """Train `task` from `start` to train.steps; returns the logged metrics (one dict per log,
+    evaluations included with "eval/" keys)."""
+    tc = config.train
+    mesh = sharding.make_mesh(config.mesh)
+    writer = MetricWriter(os.path.join(workdir, "tb"))
+    progress = Progress(tc.steps, start)
+    stop = StopSignal(stop_event)
+    stop.install()
+    history: list[dict] = []
+    step, extra = start, {}
+
+    def evaluate(step: int) -> None:
+        if task.evaluate is None or tc.eval_every <= 0:
+            return
+        values = {f"eval/{k}": v for k, v in task.evaluate(state, step).items()}
+        values["step"] = step
+        writer.scalars(step, values)
+        history.append(values)
+        if jax.process_index() == 0:
+            keys = [f"eval/{k}" for k in task.eval_console_keys]
+            print(_console("eval ", step, tc.steps, values, keys, {}), flush=True)
+
+    try:
+        if start == 0:
+            evaluate(0)
+        while step < tc.steps:
+            if task.before_step is not None:
+                extra.update(task.before_step(step, state) or {})
+            batch = sharding.global_batch(next(it), mesh)
+            state, metrics = task.step(state, batch)
+            step += 1
+            if step % tc.log_every == 0 or step == tc.steps:
+                last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                last.update(extra)
+                last["step"], extra = step, {}
+                prog = progress.update(step)
+                writer.scalars(step, {**last, **prog})
+                history.append(last)
+                if jax.process_index() == 0:
+                    print(_console("", step, tc.steps, last, task.console_keys, prog), flush=True)
+            if step % tc.checkpoint_every == 0 or step == tc.steps:
+                checkpoint.save(mgr, step, state, save_args(it))
+            if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps):
+                evaluate(step)
+            if tc.preemption_save and stop.any_process():
+                log.warning(
+                    "stop requested (signal %s): saving checkpoint %d and exiting",
+                    stop.signum,
+                    step,
+                )
+                checkpoint.save(mgr, step, state, save_args(it), force=True)
+                break
+    finally:
+        mgr.wait_until_finished()
+        writer.close()
+        stop.uninstall()
+        if task.close is not None:
+            task.close()
+    return history

@@ -1,0 +1,183 @@
+"""ICT: the loss against numpy with negatives from every device, the example builder, the
+held-out corpus cut, and the warm start of REALM's embedders from an ICT run."""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax import sharding
+from realm_jax import tokenization as tk
+from realm_jax.config_lib import load_config
+from realm_jax.ict import data as ict_data
+from realm_jax.ict import task as ict_task
+from tests.conftest import REPO
+
+ARCH = [
+    f"model.{part}.{k}={v}"
+    for part in ("embedder", "reader")
+    for k, v in (
+        ("hidden_size", 32),
+        ("num_layers", 1),
+        ("num_heads", 2),
+        ("intermediate_size", 64),
+        ("max_position_embeddings", 64),
+    )
+]
+TINY = ARCH + [
+    "model.vocab_size=512",
+    "model.proj_dropout=0.0",
+    "data.block_len=24",
+    "data.query_len=12",
+    "train.batch_size=16",
+]
+
+
+def _config(*extra):
+    return load_config(os.path.join(REPO, "configs", "ict.py:smoke"), TINY + list(extra))
+
+
+def _numpy_ict(q, b):
+    """Softmax cross-entropy of q [B, D] against all blocks b [B, D], label = own index."""
+    logits = q.astype(np.float64) @ b.astype(np.float64).T
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    loss = (lse - np.diag(logits)).mean()
+    return loss, (logits.argmax(1) == np.arange(len(q))).mean()
+
+
+def test_ict_loss_matches_numpy_with_negatives_from_all_devices():
+    config = _config()
+    mesh = sharding.make_mesh(config.mesh)
+    assert mesh.devices.size == 8  # 2 queries per device: negatives must cross devices
+    model, _, state, _ = ict_task.create_state(config, mesh, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    q = np.zeros((16, 12), np.int32)
+    b = np.zeros((16, 24), np.int32)
+    for i in range(16):
+        q[i, :6] = [101, *rng.integers(200, 500, 4), 102]
+        b[i, :10] = [101, 300, 102, *rng.integers(200, 500, 6), 102]
+    batch = sharding.global_batch({"query_ids": q, "block_ids": b}, mesh)
+    fn = jax.jit(functools.partial(ict_task.ict_loss, model=model, mesh=mesh))
+    loss, metrics = fn(state.params, batch)
+    params = jax.device_get(state.params)
+    q_emb = np.asarray(
+        model.apply({"params": params}, q, np.zeros_like(q), (q != 0) * 1, method="embed_query")
+    )
+    b_emb = np.asarray(
+        model.apply(
+            {"params": params},
+            b,
+            ((np.cumsum(b == 102, 1) - (b == 102) >= 1) & (b != 0)).astype(np.int32),
+            (b != 0) * 1,
+            method="embed_doc",
+        )
+    )
+    want_loss, want_acc = _numpy_ict(q_emb, b_emb)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["accuracy"]), want_acc)
+    # with each device's own 2 blocks as the only negatives the loss would differ
+    local = np.mean([_numpy_ict(q_emb[i : i + 2], b_emb[i : i + 2])[0] for i in range(0, 16, 2)])
+    assert abs(local - want_loss) > 0.1
+
+
+def test_ict_pair_removes_the_query_sentence():
+    # [CLS] t [SEP] s0 s0 | s1 s1 s1 | s2 [SEP]; sentence starts at 3, 5, 8
+    rec = {
+        "token_ids": np.array([101, 7, 102, 10, 11, 20, 21, 22, 30, 102], np.int32),
+        "sentence_starts": np.array([3, 5, 8], np.int32),
+    }
+    seen = set()
+    for seed in range(40):
+        ex = ict_data.ict_pair(rec, np.random.default_rng(seed), 8, 12, mask_rate=1.0)
+        q = ex["query_ids"][ex["query_ids"] != 0].tolist()
+        blk = ex["block_ids"][ex["block_ids"] != 0].tolist()
+        body = q[1:-1]
+        assert q[0] == tk.CLS_ID and q[-1] == tk.SEP_ID
+        assert body in ([10, 11], [20, 21, 22], [30])
+        full = rec["token_ids"].tolist()
+        at = full.index(body[0])
+        assert blk == full[:at] + full[at + len(body) :]  # the sentence is gone, the rest kept
+        seen.add(tuple(body))
+    assert len(seen) == 3
+    ex = ict_data.ict_pair(rec, np.random.default_rng(0), 8, 12, mask_rate=0.0)
+    assert ex["block_ids"][:10].tolist() == rec["token_ids"].tolist()  # unmasked: whole block
+
+
+def test_cut_out_removes_each_held_out_sentence_from_its_block():
+    tokens = np.array([[101, 7, 102, 10, 11, 20, 21, 102], [101, 8, 102, 30, 31, 102, 0, 0]])
+    queries = np.array([[101, 20, 21, 102, 0], [101, 99, 102, 0, 0]])
+    texts = ["T\nab cd.", "U\nef."]
+    got, got_texts, cut = ict_data.cut_out(tokens, texts, np.array([0, 1]), queries, ["cd.", "zz"])
+    assert cut == 1
+    np.testing.assert_array_equal(got[0], [101, 7, 102, 10, 11, 102, 0, 0])
+    np.testing.assert_array_equal(got[1], tokens[1])  # sentence not found: unchanged
+    assert got_texts == ["T\nab  ", "U\nef."]
+
+
+def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
+    """`ict` trains on the sample (held-out recall logged next to BM25's), and REALM's
+    model.init_embedders_from_ict loads exactly the ICT checkpoint's embedders."""
+    from realm_jax import checkpoint, train_step, trainer
+    from realm_jax.data import prepare
+
+    work = str(tmp_path / "ict")
+    sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
+    config = _config(
+        f"data.corpus={sample}",
+        "data.block_len=64",
+        "data.query_len=32",
+        "data.masking=random",
+        "train.steps=4",
+        "train.eval_every=4",
+        "train.checkpoint_every=4",
+        "train.log_every=2",
+        "train.eval_examples=64",
+        "model.embedder.max_position_embeddings=64",
+    )
+    prepare.prepare(config, trainer.data_dir(config, work))
+    history = ict_task.train(config, work)
+    evals = [h for h in history if "eval/recall@5" in h]
+    assert [h["step"] for h in evals] == [0, 4]
+    assert 0 <= evals[-1]["eval/recall@5"] <= 1 and "eval/bm25_recall@5" in evals[-1]
+    assert evals[-1]["eval/bm25_recall@20"] >= evals[-1]["eval/bm25_recall@5"]
+
+    realm = load_config(
+        os.path.join(REPO, "configs", "realm.py:smoke"),
+        [a for a in TINY if not a.startswith("train.")]
+        + ["data.block_len=64", "data.query_len=32", f"model.init_embedders_from_ict={work}"]
+        + ["model.reader.max_position_embeddings=128"],
+    )
+    mesh = sharding.make_mesh(realm.mesh)
+    _, _, state, _ = train_step.create_state(
+        realm, mesh, jax.random.key(1), trainer.params_hook(realm)
+    )
+    mgr = checkpoint.manager(work, with_data=False, read_only=True)
+    ecfg = __import__("realm_jax.models", fromlist=["x"]).ModelConfig.from_config(
+        realm.model, "embedder"
+    )
+    want = ict_task.restore_embedders(mgr, 4, ecfg)
+    for name in ("query_embedder", "doc_embedder"):
+        got = jax.device_get(state.params[name])
+        jax.tree.map(np.testing.assert_array_equal, got, want[name])
+
+
+def test_ict_command_refuses_a_realm_config(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "realm_jax", "ict", "--workdir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "configs/ict.py" in out.stderr
+
+
+@pytest.mark.parametrize("variant", ["smoke", "small", "base", "squad"])
+def test_ict_configs_load(variant):
+    c = load_config(os.path.join(REPO, "configs", f"ict.py:{variant}"))
+    assert c.task == "ict" and 0 < c.ict.mask_rate < 1
