@@ -326,7 +326,8 @@ def main() -> None:
         f = r["flops"]
         share = {k: v / f["total"] for k, v in f.items() if k != "total"}
         rows.append(
-            f"| {name} | {c.model.reader.num_layers}x{c.model.reader.hidden_size} | {c.train.batch_size} | "
+            f"| {name} | {c.model.reader.num_layers}x{c.model.reader.hidden_size} | "
+            f"{c.train.batch_size} | "
             f"{c.train.num_candidates} | {c.data.query_len}/{c.data.block_len} | "
             f"{r['step_s'] * 1e3:.0f} | {r['median_s'] * 1e3:.0f} | "
             f"{c.train.batch_size / r['step_s']:.1f} | "

@@ -14,7 +14,7 @@ from realm_jax.config_lib import ConfigError, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "realm.py")
-VARIANTS = ("smoke", "small", "base")
+VARIANTS = ("smoke", "small", "base", "squad")
 COMMANDS = ("prepare", "train", "refresh", "local", "finetune", "evaluate", "ask")
 
 
@@ -64,7 +64,7 @@ def test_unknown_variant_is_rejected():
 
 def _commented_assignments() -> tuple[set[str], list[str]]:
     """(fields assigned in configs/realm.py as 'section.field', lines lacking a # comment)."""
-    pattern = re.compile(r"^\s*(?:c\.(\w+)\.(\w+)|m\.(\w+)|c\.(variant))\s*=[^=]")
+    pattern = re.compile(r"^\s*(?:c\.(\w+)\.(\w+)|m\.(\w+)|c\.(variant|task))\s*=[^=]")
     fields, uncommented = set(), []
     with open(CONFIG) as f:
         for lineno, line in enumerate(f, 1):

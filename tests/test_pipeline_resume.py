@@ -117,3 +117,47 @@ def test_resume_in_new_process(prepared, tmp_path):
     for i, b in enumerate(want):
         for k, v in b.items():
             np.testing.assert_array_equal(got[f"{i}_{k}"], v, err_msg=f"batch {i} {k}")
+
+
+def _span_loader(records, seed, num_epochs=4):
+    import grain
+
+    sampler = grain.samplers.IndexSampler(
+        num_records=len(records), shuffle=True, num_epochs=num_epochs, seed=seed
+    )
+    return grain.DataLoader(
+        data_source=records, sampler=sampler, operations=[PL.MaskSpan(10, 3)], worker_count=0
+    )
+
+
+def test_one_salient_span_drawn_per_epoch_deterministically_and_resumably():
+    """Each example keeps all its spans; every read draws one (a different draw per epoch),
+    the draws depend only on the seed, and a restored iterator continues the same draws."""
+    records = [
+        {
+            "token_ids": np.array([101, 11 + i, 12, 13, 14, 15, 102], np.int32),
+            "span_starts": np.array([1, 3, 5], np.int32),
+            "span_ends": np.array([1, 4, 5], np.int32),
+            "block_id": np.int32(i),
+        }
+        for i in range(6)
+    ]
+    out = list(_span_loader(records, seed=3))  # 4 epochs x 6 examples
+    again = list(_span_loader(records, seed=3))
+    assert _same(out, again)
+    per_example = {}
+    for ex in out:
+        masked = tuple(np.flatnonzero(ex["query_ids"] == tk.MASK_ID))
+        assert masked in ((1,), (3, 4), (5,))  # always exactly one of the example's spans
+        np.testing.assert_array_equal(ex["mlm_positions"][: len(masked)], masked)
+        per_example.setdefault(int(ex["block_id"]), []).append(masked)
+    assert all(len(v) == 4 for v in per_example.values())
+    assert sum(len(set(v)) > 1 for v in per_example.values()) >= 4  # draws change by epoch
+    assert not _same(out, list(_span_loader(records, seed=4)))
+
+    it = iter(_span_loader(records, seed=3))
+    head = [next(it) for _ in range(9)]
+    state = it.get_state()
+    resumed = iter(_span_loader(records, seed=3))
+    resumed.set_state(state)
+    assert _same(head + list(resumed), out)

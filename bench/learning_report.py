@@ -1,0 +1,155 @@
+"""Learning curves of the squad recipe -> docs/results.md (tables) + docs/learning_curves.png.
+
+Reads the TensorBoard event files the runs wrote (WORKDIR/tb), so the numbers in the doc are
+the ones the runs logged, never typed by hand:
+
+    python bench/learning_report.py --ict runs/squad-ict --realm runs/squad
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import struct
+import sys
+
+from tensorboardX.proto import event_pb2
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from every event file under WORKDIR/tb (the newest value of a
+    (tag, step) wins: a resumed run rewrites its steps). TFRecord framing: u64 length,
+    u32 crc, payload, u32 crc."""
+    out: dict[str, dict[int, float]] = collections.defaultdict(dict)
+    files = sorted(glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*")))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event files in {workdir}/tb")
+    for path in files:
+        with open(path, "rb") as f:
+            while header := f.read(12):
+                (n,) = struct.unpack("<Q", header[:8])
+                data = f.read(n)
+                f.read(4)
+                ev = event_pb2.Event.FromString(data)
+                for v in ev.summary.value:
+                    out[v.tag][int(ev.step)] = float(v.simple_value)
+    return dict(out)
+
+
+def _table(scalars, tags: list[tuple[str, str]]) -> list[str]:
+    steps = sorted(set().union(*(scalars.get(t, {}).keys() for t, _ in tags)))
+    lines = ["| step | " + " | ".join(h for _, h in tags) + " |"]
+    lines.append("|---" * (len(tags) + 1) + "|")
+    for s in steps:
+        cells = [f"{scalars[t][s]:.4f}" if s in scalars.get(t, {}) else "" for t, _ in tags]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return lines
+
+
+ICT_TAGS = [
+    ("eval/recall_at_1", "recall@1"),
+    ("eval/recall_at_5", "recall@5"),
+    ("eval/recall_at_20", "recall@20"),
+    ("eval/bm25_recall_at_1", "BM25 recall@1"),
+    ("eval/bm25_recall_at_5", "BM25 recall@5"),
+    ("eval/bm25_recall_at_20", "BM25 recall@20"),
+]
+REALM_TAGS = [
+    ("eval/retrieval_utility", "retrieval utility"),
+    ("eval/accuracy", "accuracy (marginal)"),
+    ("eval/null_only_accuracy", "accuracy (null doc only)"),
+    ("eval/retrieval_entropy", "retrieval entropy"),
+    ("eval/null_doc_prob", "p(null)"),
+    ("eval/same_title_fraction", "same title (top-k)"),
+    ("eval/same_title_random", "same title (random)"),
+]
+
+
+def plot(ict, realm, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    panels = [
+        (axes[0], ict, ["eval/recall_at_5", "eval/bm25_recall_at_5"], "ICT held-out recall@5"),
+        (axes[1], realm, ["eval/retrieval_utility"], "REALM held-out retrieval utility"),
+        (
+            axes[2],
+            realm,
+            ["eval/accuracy", "eval/null_only_accuracy"],
+            "REALM held-out masked accuracy",
+        ),
+        (
+            axes[3],
+            realm,
+            ["eval/same_title_fraction", "eval/same_title_random", "eval/retrieval_entropy"],
+            "REALM retrieval",
+        ),
+    ]
+    for ax, data, tags, title in panels:
+        for t in tags:
+            if t in data:
+                xs = sorted(data[t])
+                ax.plot(xs, [data[t][x] for x in xs], marker="o", label=t.removeprefix("eval/"))
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ict", required=True, help="the ICT workdir")
+    p.add_argument("--realm", required=True, help="the REALM workdir")
+    p.add_argument("--timings", default="", help="a line on wall/CPU time to include")
+    args = p.parse_args(argv)
+    ict, realm = read_scalars(args.ict), read_scalars(args.realm)
+    png = os.path.join(DOCS, "learning_curves.png")
+    plot(ict, realm, png)
+    lines = [
+        "# Results: REALM learns on held-out Wikipedia text",
+        "",
+        "Written by `bench/learning_report.py` from the runs' TensorBoard events. The recipe",
+        "(README 'Learning recipe'), from the repository root with ../shared beside it:",
+        "",
+        "```",
+        "python -m realm_jax prepare --config configs/realm.py:squad --workdir runs/squad",
+        "python -m realm_jax ict     --config configs/ict.py:squad   --workdir runs/squad-ict",
+        "python -m realm_jax train   --config configs/realm.py:squad --workdir runs/squad",
+        f"python bench/learning_report.py --ict {args.ict} --realm {args.realm}",
+        "```",
+        "",
+    ]
+    if args.timings:
+        lines += [args.timings, ""]
+    lines += [
+        "![learning curves](learning_curves.png)",
+        "",
+        "## ICT warm start: recall of a held-out sentence's own block over the whole corpus",
+        "",
+        "Each held-out sentence is cut out of its own block in the searched corpus (for both",
+        "retrievers), so neither can find the block by the sentence itself.",
+        "",
+        *_table(ict, ICT_TAGS),
+        "",
+        "## REALM pre-training: held-out sentences (whole articles never trained on)",
+        "",
+        *_table(realm, REALM_TAGS),
+        "",
+    ]
+    with open(os.path.join(DOCS, "results.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
