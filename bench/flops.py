@@ -22,7 +22,7 @@ def embedder_flops(m, seqs: int, length: int) -> float:
 
 def realm_step_flops(config, num_blocks: int) -> dict[str, float]:
     """FLOPs of one REALM train step, by part."""
-    from realm_jax.models import ModelConfig
+    from realm_jax.model.bert import ModelConfig
 
     e = ModelConfig.from_config(config.model, "embedder")
     m = ModelConfig.from_config(config.model, "reader")

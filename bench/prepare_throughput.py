@@ -19,8 +19,8 @@ sys.path[:0] = [REPO, os.path.join(REPO, "bench")]
 
 from _report import write_section  # noqa: E402
 
-from realm_jax.config_lib import load_config  # noqa: E402
-from realm_jax.data import prepare  # noqa: E402
+from realm_jax.config import load_config  # noqa: E402
+from realm_jax.data import prepare, prepared  # noqa: E402
 
 
 def run_once(corpus: str, variant: str, masking: str, ner_processes: int) -> dict:
@@ -32,7 +32,7 @@ def run_once(corpus: str, variant: str, masking: str, ner_processes: int) -> dic
         start = time.time()
         s = prepare.prepare(config, os.path.join(tmp, "data"))
         t0 = time.time()
-        ids, _, _ = prepare.load_blocks(os.path.join(tmp, "data"))
+        ids, _, _ = prepared.load_blocks(os.path.join(tmp, "data"))
         load_s = time.time() - t0
         total = time.time() - start - load_s
     c = s["counts"]

@@ -26,11 +26,13 @@ from _report import write_section  # noqa: E402
 from flops import embedder_flops  # noqa: E402
 from train_throughput import matmul_peak  # noqa: E402
 
-from realm_jax import checkpoint, sharding, train_step  # noqa: E402
-from realm_jax.config_lib import load_config  # noqa: E402
-from realm_jax.data import prepare  # noqa: E402
-from realm_jax.models import ModelConfig  # noqa: E402
-from realm_jax.refresh import IndexFeed, Refresher  # noqa: E402
+from realm_jax import checkpoint, sharding  # noqa: E402
+from realm_jax.config import load_config  # noqa: E402
+from realm_jax.data import prepare, prepared  # noqa: E402
+from realm_jax.index.feed import IndexFeed  # noqa: E402
+from realm_jax.index.refresher import Refresher  # noqa: E402
+from realm_jax.model.bert import ModelConfig  # noqa: E402
+from realm_jax.pretrain import step as train_step  # noqa: E402
 
 
 def main() -> None:
@@ -60,7 +62,7 @@ def main() -> None:
         ],
     )
     prepare.prepare(config, data_dir)
-    tokens = prepare.load_blocks(data_dir)[0]
+    tokens = prepared.load_blocks(data_dir)[0]
     n = len(tokens)
     print(f"{n} blocks of {tokens.shape[1]} wordpieces")
     import shutil

@@ -19,7 +19,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "bench")]
 
 from _report import write_section  # noqa: E402
 
-from realm_jax import scann_index  # noqa: E402
+from realm_jax.index import scann as scann_index  # noqa: E402
 
 K, BATCH = 10, 64
 

@@ -1,5 +1,5 @@
 """On-device token table vs host fetch for the retrieved blocks' tokens (the choice in
-realm_jax/retrieval.py).
+realm_jax/ops/mips.py).
 
     python bench/token_fetch.py [--devices 8] [--blocks 19706] [--batch 64]
 
@@ -38,7 +38,8 @@ def main() -> None:
     import numpy as np
     from _report import write_section
 
-    from realm_jax import retrieval, sharding
+    from realm_jax import sharding
+    from realm_jax.ops import mips as retrieval
 
     mesh = sharding.make_mesh(
         ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (-1, 1)})

@@ -27,8 +27,12 @@ import optax  # noqa: E402
 from _report import write_section  # noqa: E402
 from flops import realm_step_flops  # noqa: E402
 
-from realm_jax import sharding, train_step  # noqa: E402
-from realm_jax.config_lib import load_config  # noqa: E402
+from realm_jax import sharding  # noqa: E402
+from realm_jax.config import load_config  # noqa: E402
+from realm_jax.index import corpus  # noqa: E402
+from realm_jax.model import inputs  # noqa: E402
+from realm_jax.ops import fused_softmax  # noqa: E402
+from realm_jax.pretrain import step as train_step  # noqa: E402
 
 NUM_BLOCKS = 4096
 
@@ -171,7 +175,7 @@ def core_scaling() -> str:
 
 def measure(variant: str, overrides: list[str], steps: int) -> dict:
     config, mesh, model, opt, state, shard, (emb, tokens, batch) = build(variant, overrides)
-    e, t = train_step.pad_index(emb, tokens, mesh)
+    e, t = corpus.pad_index(emb, tokens, mesh)
     e, t = sharding.put_rows(e, mesh), sharding.put_rows(t, mesh)
     gb = sharding.global_batch(batch, mesh)
     fn = train_step.compile_train_step(config, mesh, model, opt, shard, NUM_BLOCKS)
@@ -223,8 +227,7 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
     """Each part of the step alone, forward + backward, jitted on its own: (name, best
     seconds, FLOPs counted as in bench/flops.py). Shows where a step's time goes without the
     overlap of a profile of the whole step."""
-    from realm_jax import losses
-    from realm_jax.models import RealmModel
+    from realm_jax.model.realm import RealmModel
 
     config, _, model, opt, state, _, (_, tokens, batch) = build(variant, overrides)
     params = state.params
@@ -234,7 +237,7 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
     blocks = jnp.asarray(tokens[: b * (k - 1)])
     cands = jnp.concatenate([jnp.zeros_like(blocks[:b])[:, None], blocks.reshape(b, k - 1, -1)], 1)
     pos = jnp.asarray(batch["mlm_positions"])
-    length = train_step.joint_len(config)
+    length = inputs.joint_len(config)
 
     def grad_of(f):
         return jax.jit(jax.grad(lambda p: (f(p) ** 2).sum()))
@@ -252,7 +255,7 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
     vocab_args = (jnp.zeros((b, k)), *feats, jnp.asarray(batch["mlm_targets"]))
     vocab = jax.jit(
         jax.grad(
-            lambda r, f, tb, bi, tg: losses.fused_marginal_loss(
+            lambda r, f, tb, bi, tg: fused_softmax.fused_marginal_loss(
                 r, f, tb, bi, tg, jnp.ones(tg.shape), t.mlm_vocab_chunk
             )[0],
             argnums=(0, 1, 2, 3),
@@ -265,7 +268,7 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
         ("query embedder", grad_of(embed_query), (params,), "query_embedder"),
         (
             "document embedder",
-            grad_of(lambda p: train_step.embed_block_tokens(model, p, blocks)),
+            grad_of(lambda p: corpus.embed_block_tokens(model, p, blocks)),
             (params,),
             "doc_embedder",
         ),
@@ -286,7 +289,7 @@ def parts(variant: str, overrides: list[str], reps: int = 8) -> list[tuple[str, 
 def dropout_masks(reps: int = 15) -> tuple[float, float]:
     """Best seconds for one [32, 4, 175, 175] attention-dropout mask (the 4x256 reader's):
     flax-style Bernoulli (a threefry word per element) and realm_jax's hashed mask."""
-    from realm_jax.models import dropout_keep
+    from realm_jax.model.layers import dropout_keep
 
     shape = (32, 4, 175, 175)
     x = jnp.ones(shape, jnp.float32)

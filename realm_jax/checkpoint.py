@@ -4,16 +4,13 @@ restore of one params subtree (the refresh job's document embedder)."""
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import orbax.checkpoint as ocp
 
+from realm_jax import workdir as paths
+
 log = logging.getLogger(__name__)
-
-
-def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
 def manager(workdir: str, *, keep: int = 3, with_data: bool = True, read_only: bool = False):
@@ -25,7 +22,7 @@ def manager(workdir: str, *, keep: int = 3, with_data: bool = True, read_only: b
         enable_async_checkpointing=not read_only,
         read_only=read_only,
     )
-    return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=items, options=options)
+    return ocp.CheckpointManager(paths.checkpoint_dir(workdir), item_names=items, options=options)
 
 
 def save(mgr, step: int, state, data_save_args=None, *, force: bool = False) -> bool:

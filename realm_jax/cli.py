@@ -7,24 +7,51 @@ Every command takes --config configs/realm.py:<variant> and overrides as
 from __future__ import annotations
 
 import argparse
-import logging
-import os
+import importlib
 import sys
 
 COMMANDS = {
     "prepare": "build the TFDS block and pre-training datasets from raw text",
     "train": "train config.task: REALM (trainer only; pair it with `refresh`) or ICT",
-    "ict": "the Inverse Cloze Task warm start of the embedders (configs/ict.py)",
     "refresh": "the index refresh job: re-embed the corpus from new checkpoints, publish",
     "local": "trainer + refresher together on one machine (Ctrl-C stops both)",
+    "ict": "the Inverse Cloze Task warm start of the embedders (configs/ict.py)",
     "finetune": "open-domain QA fine-tuning (not yet implemented)",
     "evaluate": "exact-match evaluation (not yet implemented)",
     "ask": "retrieve the top blocks for a question with the latest index (ScaNN)",
 }
 
+# command -> "module:function" (imported only when run). `train` and `local` depend on the
+# config's task (config.task): TASK_COMMANDS[task][command].
+ENTRY = {
+    "prepare": "realm_jax.data.prepare:command",
+    "refresh": "realm_jax.index.refresher:command",
+    "ict": "realm_jax.ict.command:command",
+    "finetune": "realm_jax.qa.commands:finetune",
+    "evaluate": "realm_jax.qa.commands:evaluate",
+    "ask": "realm_jax.index.ask:command",
+}
+TASK_COMMANDS = {
+    "realm": {
+        "train": "realm_jax.pretrain.commands:train_command",
+        "local": "realm_jax.pretrain.commands:local",
+    },
+    "ict": {"train": "realm_jax.ict.command:command", "local": "realm_jax.ict.command:command"},
+}
+
+
+def entry_point(command: str, config) -> str:
+    """The "module:function" that runs `command` for this config."""
+    if command in ENTRY:
+        return ENTRY[command]
+    task = config.task
+    if task not in TASK_COMMANDS:
+        raise ValueError(f"config.task must be one of {sorted(TASK_COMMANDS)}, got {task!r}")
+    return TASK_COMMANDS[task][command]
+
 
 def _parser() -> argparse.ArgumentParser:
-    from realm_jax.config_lib import default_config_path
+    from realm_jax.config import default_config_path
 
     p = argparse.ArgumentParser(
         prog="realm-jax",
@@ -76,30 +103,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup(args) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    if args.cpu_devices:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    if args.coordinator or args.multihost:
-        import jax
-
-        if args.coordinator:
-            if jax.config.jax_platforms in (None, "", "cpu") or args.cpu_devices:
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        else:
-            jax.distributed.initialize()
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = [a for a in argv if a.startswith("--config.")]
@@ -109,16 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from realm_jax.config_lib import ConfigError, load_config
+    from realm_jax.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, [o[len("--config.") :] for o in overrides])
     except ConfigError as e:
         parser.exit(2, f"realm-jax: config error: {e}\n")
-    _setup(args)
-    from realm_jax import commands
+    from realm_jax import runtime
 
-    return getattr(commands, args.command)(config, args) or 0
+    runtime.setup(args)
+    module, function = entry_point(args.command, config).split(":")
+    return getattr(importlib.import_module(module), function)(config, args) or 0
 
 
 if __name__ == "__main__":

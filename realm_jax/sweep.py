@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from realm_jax.config_lib import ConfigError, _load_module, load_config, split_spec
+from realm_jax.config import ConfigError, _load_module, load_config, split_spec
 
 DEFAULT_VARIANT = "small"  # the variant sweeps are validated against unless the spec names one
 

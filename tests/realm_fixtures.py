@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from realm_jax.config_lib import load_config
+from realm_jax.config import load_config
 
 CONFIG_OVERRIDES = [
     "model.vocab_size=512",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from bm25s.stopwords import STOPWORDS_EN
 
-from realm_jax.qa.bm25 import BM25Retriever, recall_at_k
+from realm_jax.index.bm25 import BM25Retriever, recall_at_k
 
 TEXTS = [
     "Paris\nParis is the capital of France",

@@ -10,7 +10,7 @@ import ml_collections
 import pytest
 
 from realm_jax import sweep
-from realm_jax.config_lib import ConfigError, load_config
+from realm_jax.config import ConfigError, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "realm.py")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from realm_jax import tokenization as tk
-from realm_jax.config_lib import load_config
-from realm_jax.data import corpus, masking
+from realm_jax.config import load_config
+from realm_jax.data import corpus, masking, prepared
 from realm_jax.data import prepare as P
 from tests.conftest import REPO, shared_path
 
@@ -199,26 +199,26 @@ def test_prepare_idempotent_and_fingerprint_mismatch(tmp_path, tiny_corpus, caps
     d = str(tmp_path / "data")
     s = P.prepare(cfg, d)
     assert s["counts"]["documents"] == 12 and s["counts"]["examples"] > 12
-    ids, doc_ids, titles = P.load_blocks(d)
+    ids, doc_ids, titles = prepared.load_blocks(d)
     assert ids.shape == (s["counts"]["blocks"], 128) and ids.dtype == np.int32
     assert doc_ids[0] == "train/2008_Sichuan_earthquake/0"
-    title, text = P.block_text(d, 0)
+    title, text = prepared.block_text(d, 0)
     assert title == titles[0] and text.startswith("The 2008 Sichuan earthquake")
-    ex = P.examples_source(d)[0]
+    ex = prepared.examples_source(d)[0]
     assert ex["token_ids"][0] == tk.CLS_ID and ex["span_labels"] == b"RANDOM"
     capsys.readouterr()
     assert P.prepare(cfg, d) == s
     assert "reusing" in capsys.readouterr().out
     other = _config(tiny_corpus, "data.masking=random", "data.query_len=32")
-    with pytest.raises(P.PrepareError, match="--overwrite"):
+    with pytest.raises(prepared.PrepareError, match="--overwrite"):
         P.prepare(other, d)
     assert P.prepare(other, d, overwrite=True)["fingerprint"] != s["fingerprint"]
 
 
 def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
     d = str(tmp_path / "data")
-    with pytest.raises(P.PrepareError, match="no prepared data"):
-        P.load_blocks(d)
+    with pytest.raises(prepared.PrepareError, match="no prepared data"):
+        prepared.load_blocks(d)
 
     def crash(*a, **k):
         raise KeyboardInterrupt("killed")
@@ -228,8 +228,12 @@ def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
         P.prepare(_config(tiny_corpus, "data.masking=random"), d)
     assert any(n.startswith(".prepare-tmp-") for n in os.listdir(d))
     assert not os.path.exists(os.path.join(d, "blocks"))
-    for loader in (P.load_blocks, P.examples_source, lambda x: P.block_text(x, 0)):
-        with pytest.raises(P.PrepareError, match="incomplete"):
+    for loader in (
+        prepared.load_blocks,
+        prepared.examples_source,
+        lambda x: prepared.block_text(x, 0),
+    ):
+        with pytest.raises(prepared.PrepareError, match="incomplete"):
             loader(d)
     monkeypatch.undo()  # a rerun cleans up and completes
     P.prepare(_config(tiny_corpus, "data.masking=random"), d)
@@ -238,7 +242,7 @@ def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
         ["blocks", "examples", "summary.json"],
         ["blocks", "eval_examples", "examples", "summary.json"],
     )
-    assert P.load_blocks(d)[0].shape[0] > 0
+    assert prepared.load_blocks(d)[0].shape[0] > 0
 
 
 def test_prepare_squad_head_with_ner(tmp_path):
@@ -250,7 +254,7 @@ def test_prepare_squad_head_with_ner(tmp_path):
     c = s["counts"]
     assert c["documents"] == 200 and c["blocks"] >= 200 and c["examples"] > 400
     if s["masking"] == "salient":
-        src = P.examples_source(d)
+        src = prepared.examples_source(d)
         labels = {lab for i in range(200) for lab in src[i]["span_labels"].split(b",")}
         assert b"DATE" in labels and len(labels) > 3
         # every usable span is kept (the pipeline draws one per epoch)

@@ -10,9 +10,12 @@ import pytest
 
 from realm_jax import sharding
 from realm_jax import tokenization as tk
-from realm_jax.config_lib import load_config
-from realm_jax.ict import data as ict_data
-from realm_jax.ict import task as ict_task
+from realm_jax import workdir as paths
+from realm_jax.config import load_config
+from realm_jax.data import ict as ict_data
+from realm_jax.ict import command as ict_command
+from realm_jax.ict import step as ict_step
+from realm_jax.train import warm_start
 from tests.conftest import REPO
 
 ARCH = [
@@ -51,7 +54,7 @@ def test_ict_loss_matches_numpy_with_negatives_from_all_devices():
     config = _config()
     mesh = sharding.make_mesh(config.mesh)
     assert mesh.devices.size == 8  # 2 queries per device: negatives must cross devices
-    model, _, state, _ = ict_task.create_state(config, mesh, jax.random.key(0))
+    model, _, state, _ = ict_step.create_state(config, mesh, jax.random.key(0))
     rng = np.random.default_rng(0)
     q = np.zeros((16, 12), np.int32)
     b = np.zeros((16, 24), np.int32)
@@ -59,7 +62,7 @@ def test_ict_loss_matches_numpy_with_negatives_from_all_devices():
         q[i, :6] = [101, *rng.integers(200, 500, 4), 102]
         b[i, :10] = [101, 300, 102, *rng.integers(200, 500, 6), 102]
     batch = sharding.global_batch({"query_ids": q, "block_ids": b}, mesh)
-    fn = jax.jit(functools.partial(ict_task.ict_loss, model=model, mesh=mesh))
+    fn = jax.jit(functools.partial(ict_step.ict_loss, model=model, mesh=mesh))
     loss, metrics = fn(state.params, batch)
     params = jax.device_get(state.params)
     q_emb = np.asarray(
@@ -119,8 +122,9 @@ def test_cut_out_removes_each_held_out_sentence_from_its_block():
 def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
     """`ict` trains on the sample (held-out recall logged next to BM25's), and REALM's
     model.init_embedders_from_ict loads exactly the ICT checkpoint's embedders."""
-    from realm_jax import checkpoint, train_step, trainer
+    from realm_jax import checkpoint
     from realm_jax.data import prepare
+    from realm_jax.pretrain import step as train_step
 
     work = str(tmp_path / "ict")
     sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
@@ -136,8 +140,8 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
         "train.eval_examples=64",
         "model.embedder.max_position_embeddings=64",
     )
-    prepare.prepare(config, trainer.data_dir(config, work))
-    history = ict_task.train(config, work)
+    prepare.prepare(config, paths.data_dir(config, work))
+    history = ict_command.train(config, work)
     evals = [h for h in history if "eval/recall@5" in h]
     assert [h["step"] for h in evals] == [0, 4]
     assert 0 <= evals[-1]["eval/recall@5"] <= 1 and "eval/bm25_recall@5" in evals[-1]
@@ -151,13 +155,13 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
     )
     mesh = sharding.make_mesh(realm.mesh)
     _, _, state, _ = train_step.create_state(
-        realm, mesh, jax.random.key(1), trainer.params_hook(realm)
+        realm, mesh, jax.random.key(1), warm_start.params_hook(realm)
     )
     mgr = checkpoint.manager(work, with_data=False, read_only=True)
-    ecfg = __import__("realm_jax.models", fromlist=["x"]).ModelConfig.from_config(
+    ecfg = __import__("realm_jax.model.bert", fromlist=["x"]).ModelConfig.from_config(
         realm.model, "embedder"
     )
-    want = ict_task.restore_embedders(mgr, 4, ecfg)
+    want = warm_start.restore_embedders(mgr, 4, ecfg)
     for name in ("query_embedder", "doc_embedder"):
         got = jax.device_get(state.params[name])
         jax.tree.map(np.testing.assert_array_equal, got, want[name])

@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from realm_jax import index as ix
+from realm_jax.index import retention
+from realm_jax.index import store as ix
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,19 +65,21 @@ def test_publish_rejects_bad_input(tmp_path):
 def test_retention_keeps_newest_and_leased(tmp_path):
     d = str(tmp_path)
     for step in (10, 20, 30):
-        ix.publish_index(d, step, _emb(seed=step), keep=3)
-    ix.mark_in_use(d, 10, "trainer-0")
+        ix.publish_index(d, step, _emb(seed=step))
+        retention.cleanup(d, keep=3)
+    retention.mark_in_use(d, 10, "trainer-0")
     with open(os.path.join(d, "in_use", "trainer-0.json")) as f:
         assert json.load(f)["step"] == 10
     for step in (40, 50):
-        ix.publish_index(d, step, _emb(seed=step), keep=3)
+        ix.publish_index(d, step, _emb(seed=step))
+        retention.cleanup(d, keep=3)
     assert ix.list_versions(d) == [10, 30, 40, 50]  # 20 dropped, 10 leased
-    ix.release(d, "trainer-0")
-    ix.release(d, "trainer-0")  # releasing twice is fine
-    removed = ix.cleanup(d, keep=2)
+    retention.release(d, "trainer-0")
+    retention.release(d, "trainer-0")  # releasing twice is fine
+    removed = retention.cleanup(d, keep=2)
     assert ix.list_versions(d) == [40, 50] and len(removed) == 2
     with pytest.raises(ValueError):
-        ix.mark_in_use(d, 1, "../evil")
+        retention.mark_in_use(d, 1, "../evil")
 
 
 def _corrupt(path: str, how: str) -> None:
@@ -149,10 +152,10 @@ def test_wrong_num_blocks_or_dim(tmp_path):
 CRASH_CHILD = """
 import sys
 import numpy as np
-from realm_jax import index
+from realm_jax.index import store
 emb = np.random.default_rng(0).standard_normal((400_000, 128), dtype=np.float32)
 print("ready", flush=True)
-index.publish_index(sys.argv[1], 200, emb)
+store.publish_index(sys.argv[1], 200, emb)
 """
 
 
@@ -187,7 +190,7 @@ def test_kill_mid_publish_leaves_previous_version(tmp_path):
     npy = os.path.join(d, tmps[0], "embeddings.npy")
     assert os.path.getsize(npy) < 400_000 * 128 * 4  # it really was killed mid-write
     assert not os.path.exists(os.path.join(d, tmps[0], "manifest.json"))
-    removed = ix.cleanup(d, keep=3)
+    removed = retention.cleanup(d, keep=3)
     assert removed == [os.path.join(d, tmps[0])]
     assert sorted(os.listdir(d)) == ["step_00000100"]
 
@@ -198,11 +201,11 @@ def test_cleanup_keeps_live_writer_temp(tmp_path):
     os.makedirs(live)
     with open(os.path.join(live, ".writer"), "w") as f:
         json.dump({"host": os.uname().nodename, "pid": os.getpid()}, f)
-    assert ix.cleanup(d, keep=1) == [] and os.path.isdir(live)
+    assert retention.cleanup(d, keep=1) == [] and os.path.isdir(live)
     old = time.time() - 2 * 3600  # idle for two hours: abandoned even if the pid is alive
     os.utime(os.path.join(live, ".writer"), (old, old))
     os.utime(live, (old, old))
-    assert ix.cleanup(d, keep=1) == [live]
+    assert retention.cleanup(d, keep=1) == [live]
 
 
 # ----------------------------------------------------------------------------- ScaNN
@@ -223,7 +226,7 @@ def _recall(ids: np.ndarray, db: np.ndarray, q: np.ndarray, k: int) -> float:
 
 @pytest.mark.parametrize("n,brute", [(20_000, False), (1_500, True)])
 def test_scann_recall_and_round_trip(tmp_path, n, brute):
-    scann_index = pytest.importorskip("realm_jax.scann_index")
+    scann_index = pytest.importorskip("realm_jax.index.scann")
     pytest.importorskip("scann")
     db, q = _clustered(n, 128, seed=n)
     params = scann_index.scann_params(n)
@@ -241,7 +244,7 @@ def test_scann_recall_and_round_trip(tmp_path, n, brute):
 
 
 def test_scann_params_scale():
-    from realm_jax.scann_index import scann_params
+    from realm_jax.index.scann import scann_params
 
     big = scann_params(13_350_000)
     assert 3000 < big["num_leaves"] < 4000 and big["leaves_to_search"] == 183
@@ -254,7 +257,7 @@ def test_scann_params_scale():
 
 
 def test_publish_with_searcher(tmp_path):
-    scann_index = pytest.importorskip("realm_jax.scann_index")
+    scann_index = pytest.importorskip("realm_jax.index.scann")
     pytest.importorskip("scann")
     db, q = _clustered(300, 16, seed=3)
     searcher = scann_index.build_searcher(db, k=5)

@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax import losses, weights
-from realm_jax.models import Embedder, ModelConfig, Reader
+from realm_jax.model import hf_import as weights
+from realm_jax.model.bert import ModelConfig
+from realm_jax.model.realm import Embedder, Reader
+from realm_jax.pretrain import losses
+from realm_jax.qa import losses as qa_losses
 from tests.conftest import shared_path
 
 ATOL = 1e-4
@@ -142,7 +145,7 @@ def test_realm_reader_span_logits_and_losses(realm_ref):
     valid = ref_logits > -1e30
     np.testing.assert_array_equal(np.asarray(span_logits) > -1e30, valid)
     close(np.asarray(span_logits)[valid], ref_logits[valid])
-    total, retr, read = losses.orqa_losses(
+    total, retr, read = qa_losses.orqa_losses(
         jnp.asarray(r["reader_relevance"]),
         span_logits,
         starts,

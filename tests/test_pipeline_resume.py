@@ -10,9 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from realm_jax import tokenization as tk
-from realm_jax.config_lib import load_config
+from realm_jax.config import load_config
 from realm_jax.data import pipeline as PL
 from realm_jax.data import prepare as P
+from realm_jax.data import prepared as prepared_lib
 from tests.conftest import REPO
 
 SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
@@ -68,7 +69,7 @@ def test_deterministic_for_seed(prepared):
 def test_sharding_by_process(prepared, monkeypatch):
     d, ov = prepared
     cfg = load_config(SPEC, ov)
-    n = len(P.examples_source(d))
+    n = len(prepared_lib.examples_source(d))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ValueError, match="not divisible"):
         PL.local_batch_size(7)
@@ -84,7 +85,7 @@ def test_sharding_by_process(prepared, monkeypatch):
 
 RESTORE = """
 import sys, numpy as np, orbax.checkpoint as ocp
-from realm_jax.config_lib import load_config
+from realm_jax.config import load_config
 from realm_jax.data import pipeline as PL
 spec, data_dir, ckpt, out, *ov = sys.argv[1:]
 it = iter(PL.train_loader(load_config(spec, ov), data_dir, global_batch_size=8, seed=0))

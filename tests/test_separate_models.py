@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax import sharding, train_step, trainer, weights
+from realm_jax import sharding
+from realm_jax.index import corpus
+from realm_jax.model import hf_import as weights
+from realm_jax.model import inputs
+from realm_jax.pretrain import step as train_step
+from realm_jax.train import warm_start
 from tests.conftest import shared_path
 from tests.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
 
@@ -36,7 +41,7 @@ def imported():
     )
     mesh = sharding.make_mesh(config.mesh)
     model, optimizer, state, shardings = train_step.create_state(
-        config, mesh, jax.random.key(0), trainer.params_hook(config)
+        config, mesh, jax.random.key(0), warm_start.params_hook(config)
     )
     return config, mesh, model, optimizer, state, shardings, embedder, reader
 
@@ -59,7 +64,7 @@ def test_each_network_imports_its_own_folder(imported):
 def test_separate_architectures_train(imported):
     config, mesh, model, optimizer, state, shardings, _, _ = imported
     emb, tokens = synthetic_index(config)
-    e, t = train_step.pad_index(emb, tokens, mesh)
+    e, t = corpus.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
     step = train_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
     batch = sharding.global_batch(synthetic_batch(config), mesh)
@@ -80,13 +85,14 @@ def test_architecture_mismatch_names_the_field():
     )
     mesh = sharding.make_mesh(config.mesh)
     with pytest.raises(weights.WeightImportError, match="config.model.reader: hidden_act"):
-        train_step.create_state(config, mesh, jax.random.key(0), trainer.params_hook(config))
+        train_step.create_state(config, mesh, jax.random.key(0), warm_start.params_hook(config))
 
 
 def test_vocab_must_match_between_networks():
-    from realm_jax.models import ModelConfig, ModelConfigError, RealmModel
+    from realm_jax.model.bert import ModelConfig, ModelConfigError
+    from realm_jax.model.realm import RealmModel
 
     model = RealmModel(ModelConfig(vocab_size=100), ModelConfig(vocab_size=200))
-    init = functools.partial(model.init, jax.random.key(0), *train_step.init_inputs(4, 6, 9))
+    init = functools.partial(model.init, jax.random.key(0), *inputs.init_inputs(4, 6, 9))
     with pytest.raises(ModelConfigError, match="vocab_size"):
         init()

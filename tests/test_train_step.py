@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax import losses, sharding, tokenization, train_step
+from realm_jax import sharding, tokenization
+from realm_jax.index import corpus
+from realm_jax.model import inputs
+from realm_jax.ops import fused_softmax
+from realm_jax.pretrain import losses
+from realm_jax.pretrain import step as train_step
 from tests.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
 
 
@@ -20,7 +25,7 @@ def setup():
     mesh = sharding.make_mesh(config.mesh)
     model, optimizer, state, shardings = train_step.create_state(config, mesh, jax.random.key(0))
     emb, tokens = synthetic_index(config)
-    e, t = train_step.pad_index(emb, tokens, mesh)
+    e, t = corpus.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
     batch = synthetic_batch(config)
     return config, mesh, model, optimizer, state, shardings, emb, tokens, index, batch
@@ -60,13 +65,13 @@ def test_retrieval_matches_numpy_and_excludes_own_block(setup):
 
 
 def test_shard_map_search_scores_match_numpy():
-    from realm_jax import retrieval
+    from realm_jax.ops import mips as retrieval
 
     mesh = sharding.make_mesh(tiny_config().mesh)
     rng = np.random.default_rng(3)
     emb = rng.normal(size=(1001, 16)).astype(np.float32)
     tok = rng.integers(1, 50, size=(1001, 4)).astype(np.int32)
-    e, t = train_step.pad_index(emb, tok, mesh)
+    e, t = corpus.pad_index(emb, tok, mesh)
     q = rng.normal(size=(8, 16)).astype(np.float32)
     ex = np.array([-1, 0, 5, 1000, 17, -1, 3, 2], np.int32)
     vals, ids, got_tok = jax.jit(
@@ -85,7 +90,7 @@ def test_joint_input_matches_python_format():
     q = tokenization.pad_to(tokenization.query_ids(q_raw, 8), 8)[None]
     blk, _ = tokenization.block_ids(title, body, 10)
     blocks = np.stack([np.zeros(10, np.int32), tokenization.pad_to(blk, 10)])[None]
-    ids, segs, mask = train_step.build_joint(jnp.asarray(q), jnp.asarray(blocks), 16)
+    ids, segs, mask = inputs.build_joint(jnp.asarray(q), jnp.asarray(blocks), 16)
     want, want_seg = tokenization.joint_ids(q_raw, title, body, 16)
     np.testing.assert_array_equal(np.asarray(ids)[0, 1], tokenization.pad_to(want, 16))
     np.testing.assert_array_equal(np.asarray(segs)[0, 1], tokenization.pad_to(want_seg, 16))
@@ -98,13 +103,13 @@ def test_null_document_input_and_score_match_the_release(setup):
     segments (0, 0, 1) for the document embedder, `[CLS] x [SEP] [SEP]` with segment 1 on the
     last [SEP] for the reader, and its score is q . Embed_d(empty block) computed here with the
     block padded to the full block length (the step embeds it at length 3)."""
-    from realm_jax.models import RealmModel
+    from realm_jax.model.realm import RealmModel
 
     config, mesh, model, _, state, _, emb, _, index, batch = setup
-    seg = np.asarray(train_step.block_segments(train_step.null_block_tokens(1, 5)))
+    seg = np.asarray(inputs.block_segments(inputs.null_block_tokens(1, 5)))
     np.testing.assert_array_equal(seg[0], [0, 0, 1, 0, 0])
     q = jnp.asarray([[101, 7, 8, 102, 0, 0]])
-    ids, segs, mask = (np.asarray(x)[0] for x in train_step.null_reader_input(q))
+    ids, segs, mask = (np.asarray(x)[0] for x in inputs.null_reader_input(q))
     np.testing.assert_array_equal(ids, [101, 7, 8, 102, 102, 0, 0])
     np.testing.assert_array_equal(segs, [0, 0, 0, 0, 1, 0, 0])
     np.testing.assert_array_equal(mask, [1, 1, 1, 1, 1, 0, 0])
@@ -232,7 +237,7 @@ def test_fused_marginal_loss_matches_materialised_logits(chunk):
         return losses.marginal_loss(rel, logits, tgt, w)
 
     def fused(rel, feats, table, bias):
-        return losses.fused_marginal_loss(rel, feats, table, bias, tgt, w, chunk)
+        return fused_softmax.fused_marginal_loss(rel, feats, table, bias, tgt, w, chunk)
 
     args = (rel, feats, table, bias)
     (l1, m1), g1 = jax.value_and_grad(dense, argnums=(0, 1, 2, 3), has_aux=True)(*args)
@@ -256,7 +261,7 @@ def test_fused_marginal_loss_matches_materialised_logits(chunk):
 def test_layer_norm_and_its_gradient_match_flax():
     from flax import linen as nn
 
-    from realm_jax.models import LayerNorm
+    from realm_jax.model.layers import LayerNorm
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(3, 5, 16)) * 3 + 1, jnp.float32)
@@ -277,7 +282,7 @@ def test_layer_norm_and_its_gradient_match_flax():
 
 
 def test_dropout_keeps_the_rate_and_is_unbiased():
-    from realm_jax.models import Dropout, dropout_keep
+    from realm_jax.model.layers import Dropout, dropout_keep
 
     x = jnp.ones((4, 16, 1001), jnp.float32)
     n = x.size
@@ -335,12 +340,12 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
     """The reader reads the null document as `[CLS] x [SEP] [SEP]` at the query's length + 1;
     reading every candidate as a full-length joint input built by build_joint (the null one
     from an empty `[CLS] body [SEP]` block, padded) gives the same metrics."""
-    from realm_jax.models import RealmModel, tied_decoder_logits
+    from realm_jax.model.realm import RealmModel, tied_decoder_logits
 
     config, mesh, model, _, _, _, emb, _, index, batch = setup
     _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # step8 donates
     gb = sharding.global_batch(batch, mesh)
-    K, length = config.train.num_candidates, train_step.joint_len(config)
+    K, length = config.train.num_candidates, inputs.joint_len(config)
 
     def reference(params, batch, *index):
         _, relevance, cands, _ = train_step.retrieve(
@@ -351,8 +356,7 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
         empty = jnp.zeros_like(cands[:, :1]).at[:, :, :2].set(jnp.array([101, 102]))
         cands = jnp.concatenate([empty, cands[:, 1:]], axis=1)
         ids, segs, mask = (
-            x.reshape(B * K, length)
-            for x in train_step.build_joint(batch["query_ids"], cands, length)
+            x.reshape(B * K, length) for x in inputs.build_joint(batch["query_ids"], cands, length)
         )
         feats, table, bias = model.apply(
             {"params": params},
@@ -378,7 +382,7 @@ def test_same_loss_on_one_device_and_eight(setup, step8):
     config, _, model, _, _, _, emb, tokens, _, batch = setup
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
     _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
-    e, t = train_step.pad_index(emb, tokens, mesh)
+    e, t = corpus.pad_index(emb, tokens, mesh)
     loss_fn = train_step.compile_loss(config, mesh, model, len(emb))
     metrics = jax.device_get(
         loss_fn(
@@ -424,7 +428,8 @@ def test_two_process_distributed_matches_single_process(step8):
 
 
 def test_dropout_is_off_in_eval_and_keyed_in_training():
-    from realm_jax.models import ModelConfig, RealmModel
+    from realm_jax.model.bert import ModelConfig
+    from realm_jax.model.realm import RealmModel
 
     cfg = ModelConfig(
         vocab_size=64,
@@ -453,7 +458,8 @@ def test_dropout_is_off_in_eval_and_keyed_in_training():
 
 
 def test_bfloat16_compute_tracks_float32():
-    from realm_jax.models import ModelConfig, RealmModel
+    from realm_jax.model.bert import ModelConfig
+    from realm_jax.model.realm import RealmModel
 
     kw = dict(
         vocab_size=64,

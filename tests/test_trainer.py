@@ -11,11 +11,18 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax import checkpoint, index, sharding, train_step, trainer
-from realm_jax.config_lib import load_config
-from realm_jax.data import prepare
-from realm_jax.models import RealmModel
-from realm_jax.refresh import IndexFeed, Refresher, index_dir
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.config import load_config
+from realm_jax.data import prepare, prepared
+from realm_jax.index import corpus, store
+from realm_jax.index.feed import IndexFeed
+from realm_jax.index.refresher import Refresher
+from realm_jax.model.realm import RealmModel
+from realm_jax.pretrain import commands as pretrain_commands
+from realm_jax.pretrain import step as train_step
+from realm_jax.train import warm_start
+from realm_jax.workdir import index_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = [
@@ -42,6 +49,7 @@ OVERRIDES = [
     "train.checkpoint_every=4",
     "refresh.mode=inprocess",
     "refresh.every=4",
+    "train.eval_every=0",  # the tiny corpus holds out no title; evaluation is tested apart
 ]
 
 
@@ -72,7 +80,7 @@ def _kill_after_checkpoint(proc, workdir: str, step: int) -> None:
     mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if os.path.isdir(checkpoint.checkpoint_dir(workdir)):
+        if os.path.isdir(paths.checkpoint_dir(workdir)):
             mgr.reload()
             if any(s >= step for s in mgr.all_steps()):
                 break
@@ -97,14 +105,14 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     killer = threading.Thread(target=_kill_after_checkpoint, args=(proc, killed, 4))
     killer.start()
 
-    full = _losses(trainer.train(cfg, str(tmp_path / "full")))  # the uninterrupted run
+    full = _losses(pretrain_commands.train(cfg, str(tmp_path / "full")))  # the uninterrupted run
     assert sorted(full) == list(range(1, 25))
     events = os.listdir(tmp_path / "full" / "tb")
     assert any(e.startswith("events.out.tfevents") for e in events), events
 
     killer.join()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
-    resumed = _losses(trainer.train(cfg, killed))
+    resumed = _losses(pretrain_commands.train(cfg, killed))
     first = min(resumed)
     assert 4 < first <= 24, f"the resumed run started at step {first}"
     for step, loss in resumed.items():
@@ -122,13 +130,13 @@ class _SlowSearcher:
 
 
 def _publish_and_hang(idx_dir, n, d):  # runs in a child process
-    index.publish_index(idx_dir, 9, np.ones((n, d), np.float32), searcher=_SlowSearcher())
+    store.publish_index(idx_dir, 9, np.ones((n, d), np.float32), searcher=_SlowSearcher())
 
 
 def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
     workdir = str(tmp_path)
-    tokens = prepare.load_blocks(data_dir)[0]
+    tokens = prepared.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
     model, _, state0, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
     noise = jax.random.key(1)  # new document embedder parameters for the second checkpoint
@@ -160,7 +168,7 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
         emb = np.asarray(jax.device_get(feed.emb))[: len(tokens)]
         return np.argsort(-(queries @ emb.T), axis=1)[:, :3], emb
 
-    embed_ref = jax.jit(lambda p, t: train_step.embed_block_tokens(model, p, t))
+    embed_ref = jax.jit(lambda p, t: corpus.embed_block_tokens(model, p, t))
     ids0, emb0 = top_ids()
     # Direct embedding of the blocks with the checkpoint's document embedder (reference).
     want0 = np.asarray(embed_ref(state0.params, tokens))
@@ -191,7 +199,7 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     assert not feed.maybe_refresh(state1.params, 10) and feed.step == 5
-    assert index.list_versions(index_dir(workdir)) == [0, 5]
+    assert store.list_versions(index_dir(workdir)) == [0, 5]
     # Staleness past the bound is warned about.
     with caplog.at_level("WARNING"):
         feed.maybe_refresh(state1.params, 5 + cfg.refresh.max_staleness + 1)
@@ -200,18 +208,18 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     assert manifest["num_blocks"] == len(tokens) and manifest["step"] == 5
 
     # Host-side retrieval (`ask`): newest checkpoint's query embedder + the published index.
-    from realm_jax import serve
+    from realm_jax.index import ask as serve
 
     hits = serve.ask(cfg, workdir, "Which earthquake struck Sichuan in 2008?", 3)
-    titles = prepare.load_blocks(data_dir)[2]
+    titles = prepared.load_blocks(data_dir)[2]
     assert len(hits) == 3 and all(title in titles for title, _, _ in hits)
 
 
 def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
     """ScaNN (asymmetric hashing + re-scoring) vs exact search on the bundled sample's blocks,
     embedded by an embedder warm-started from real BERT weights (../shared bert-tiny-mlm)."""
-    from realm_jax import scann_index
     from realm_jax.data import pipeline
+    from realm_jax.index import scann as scann_index
     from tests.conftest import shared_path
 
     bert = shared_path("models", "bert-tiny-mlm")
@@ -233,13 +241,13 @@ def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
     )
     ddir = str(tmp_path / "data")
     prepare.prepare(cfg, ddir)
-    tokens = prepare.load_blocks(ddir)[0]
+    tokens = prepared.load_blocks(ddir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
     model, _, state, _ = train_step.create_state(
-        cfg, mesh, jax.random.key(0), trainer.params_hook(cfg)
+        cfg, mesh, jax.random.key(0), warm_start.params_hook(cfg)
     )
-    _, tok = train_step.pad_index(None, tokens, mesh)
-    emb = train_step.embed_blocks_fn(model, mesh, 16)(state.params, sharding.put_rows(tok, mesh))
+    _, tok = corpus.pad_index(None, tokens, mesh)
+    emb = corpus.embed_blocks_fn(model, mesh, 16)(state.params, sharding.put_rows(tok, mesh))
     emb = np.asarray(jax.device_get(emb))[: len(tokens)]
     batch = next(iter(pipeline.train_loader(cfg, ddir, global_batch_size=64, seed=0)))
     q = np.asarray(
@@ -261,7 +269,7 @@ def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
 def test_config_that_does_not_match_prepared_data_is_refused(data_dir, tmp_path):
     cfg = config(f"data.data_dir={data_dir}", "data.query_len=40")
     with pytest.raises(ValueError, match="data.query_len is 40 but .* prepared with 32"):
-        trainer.train(cfg, str(tmp_path))
+        pretrain_commands.train(cfg, str(tmp_path))
 
 
 def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
@@ -294,8 +302,8 @@ def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     assert "PUBLISHED -" in outs[1] and "PUBLISHED " + index_dir(str(tmp_path)) in outs[0]
-    tokens = prepare.load_blocks(data_dir)[0]
-    step, path = index.latest_valid(index_dir(str(tmp_path)), expected_num_blocks=len(tokens))
-    want = jax.jit(lambda p, t: train_step.embed_block_tokens(model, p, t))(state.params, tokens)
-    np.testing.assert_allclose(index.load_embeddings(path), np.asarray(want), atol=2e-5)
+    tokens = prepared.load_blocks(data_dir)[0]
+    step, path = store.latest_valid(index_dir(str(tmp_path)), expected_num_blocks=len(tokens))
+    want = jax.jit(lambda p, t: corpus.embed_block_tokens(model, p, t))(state.params, tokens)
+    np.testing.assert_allclose(store.load_embeddings(path), np.asarray(want), atol=2e-5)
     assert step == 0

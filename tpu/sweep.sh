@@ -54,7 +54,7 @@ variant_spec=$config
 if (( ${#extra[@]} )); then  # the common overrides must apply too
   (cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
 import sys
-from realm_jax.config_lib import ConfigError, load_config
+from realm_jax.config import ConfigError, load_config
 try:
     load_config(sys.argv[1], [o.removeprefix("--config.") for o in sys.argv[2:]])
 except ConfigError as e:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from realm_jax import tokenization as tk
-from realm_jax.data import prepare as prepare_lib
+from realm_jax.data import prepared as prepare_lib
 
 
 def mask_example(rec: dict, span: int, query_len: int, max_predictions: int) -> dict:

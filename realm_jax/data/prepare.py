@@ -38,11 +38,17 @@ import tensorflow_datasets as tfds
 from tqdm import tqdm
 
 from realm_jax import tokenization as tk
+from realm_jax import workdir
 from realm_jax.data import corpus as corpus_lib
 from realm_jax.data import masking
+from realm_jax.data.prepared import (
+    FORMAT_VERSION,
+    SUMMARY,
+    PrepareError,
+    is_eval,
+    read_summary,
+)
 
-FORMAT_VERSION = 2
-SUMMARY = "summary.json"
 FP_FIELDS = (
     "block_len",
     "query_len",
@@ -57,10 +63,6 @@ FP_FIELDS = (
     "eval_split_key",
 )
 CHUNK = 512  # documents tokenised per batch
-
-
-class PrepareError(RuntimeError):
-    """A data_dir that cannot be (re)used as asked."""
 
 
 class _Builder(tfds.core.GeneratorBasedBuilder):
@@ -153,15 +155,6 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
     bar.close()
     stats["blocks"] = len(blocks)
     return blocks
-
-
-def is_eval(key: str, fraction: float, seed: int) -> bool:
-    """Whether a title (or doc id) is held out: a hash of (seed, key) below `fraction`, so the
-    split is the same on every run and needs no list of held-out keys."""
-    if fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big")
-    return h / 2**64 < fraction
 
 
 def _split_key(data, doc_id: str, title: str) -> str:
@@ -284,12 +277,6 @@ def fingerprint(data) -> str:
 
 
 # ------------------------------------------------------------------------------------ prepare
-def _read_summary(data_dir: str) -> dict | None:
-    path = os.path.join(data_dir, SUMMARY)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _fresh_tmp(data_dir: str) -> str:
@@ -333,7 +320,7 @@ def _print_summary(s: dict) -> None:
 def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
     """Build (or reuse) the blocks and examples datasets under data_dir; returns the summary."""
     data, fp = config.data, fingerprint(config.data)
-    old = _read_summary(data_dir)
+    old = read_summary(data_dir)
     if old is not None and not overwrite:
         if old.get("fingerprint") == fp:
             print(f"{data_dir} is already prepared from the same input and config: reusing it")
@@ -379,78 +366,10 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
     return summary
 
 
-def run(config, workdir: str, args) -> dict:
-    """CLI entry: prepare into config.data.data_dir or <workdir>/data."""
-    data_dir = config.data.data_dir or os.path.join(workdir, "data")
-    return prepare(config, data_dir, overwrite=bool(getattr(args, "overwrite", False)))
-
-
 # ------------------------------------------------------------------------------------ loaders
-def load_summary(data_dir: str) -> dict:
-    """The summary of a complete prepare; a clear error for a missing or partial one."""
-    s = _read_summary(data_dir)
-    if s is None or not s.get("complete"):
-        names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
-        partial = any(n.startswith(".prepare-tmp-") or n in ("blocks", "examples") for n in names)
-        what = "an incomplete (interrupted?) prepare" if partial else "no prepared data"
-        raise PrepareError(
-            f"{data_dir} holds {what}: no {SUMMARY}. Run `realm-jax prepare` "
-            "(with --overwrite if needed) first."
-        )
-    if s.get("format_version") != FORMAT_VERSION:
-        raise PrepareError(
-            f"{data_dir} was prepared in format v{s.get('format_version')} by an older "
-            f"realm-jax; this one reads v{FORMAT_VERSION}: re-run `realm-jax prepare "
-            "--overwrite`"
-        )
-    return s
 
 
-@functools.lru_cache(maxsize=8)
-def _open(path: str, fingerprint: str):
-    del fingerprint  # only part of the cache key: a re-prepared folder is opened afresh
-    return tfds.builder_from_directory(path).as_data_source(split="train")
-
-
-def _source(data_dir: str, name: str, builder: str):
-    s = load_summary(data_dir)
-    key = f"{s['fingerprint']}:{s.get('created')}"
-    return _open(os.path.join(os.path.abspath(data_dir), name, builder, "1.0.0"), key)
-
-
-def blocks_source(data_dir: str):
-    """Random-access TFDS data source of the blocks (record i = block i)."""
-    return _source(data_dir, "blocks", "realm_blocks")
-
-
-def examples_source(data_dir: str, split: str = "train"):
-    """Random-access TFDS data source of the pre-training examples (split "train") or of the
-    held-out ones ("eval")."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be train or eval, got {split!r}")
-    if split == "eval" and not load_summary(data_dir)["counts"].get("eval_examples"):
-        raise PrepareError(
-            f"{data_dir} has no held-out examples: prepare with --config.data.eval_fraction > 0 "
-            "(the default holds out 5% of titles), or set train.eval_every=0"
-        )
-    return _source(data_dir, "examples" if split == "train" else "eval_examples", "realm_examples")
-
-
-def load_blocks(data_dir: str, chunk: int = 4096) -> tuple[np.ndarray, list[str], list[str]]:
-    """All blocks: (token_ids int32 [N, block_len] zero-padded, doc_ids, titles)."""
-    src, block_len = blocks_source(data_dir), load_summary(data_dir)["block_len"]
-    ids = np.zeros((len(src), block_len), np.int32)  # [N, block_len]
-    doc_ids, titles = [], []
-    for start in range(0, len(src), chunk):
-        for i, rec in enumerate(src.__getitems__(range(start, min(start + chunk, len(src))))):
-            t = rec["token_ids"][:block_len]
-            ids[start + i, : len(t)] = t
-            doc_ids.append(rec["doc_id"].decode())
-            titles.append(rec["title"].decode())
-    return ids, doc_ids, titles
-
-
-def block_text(data_dir: str, block_id: int) -> tuple[str, str]:
-    """(title, body text) of one block."""
-    rec = blocks_source(data_dir)[int(block_id)]
-    return rec["title"].decode(), rec["text"].decode()
+def command(config, args) -> int:
+    """`realm-jax prepare`: into config.data.data_dir or <workdir>/data."""
+    prepare(config, workdir.data_dir(config, args.workdir), overwrite=args.overwrite)
+    return 0

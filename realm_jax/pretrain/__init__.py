@@ -1,2 +1,1 @@
-"""REALM pre-training: its held-out evaluation (the step is train_step.py, the task
-trainer.py, until the package moves into the DESIGN.md layout)."""
+"""REALM pre-training: its loss, step, held-out evaluation and the train/local commands."""

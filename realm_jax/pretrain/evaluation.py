@@ -23,7 +23,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from realm_jax import losses, sharding, train_step
+from realm_jax import sharding
+from realm_jax.model.inputs import joint_len
+from realm_jax.ops.fused_softmax import fused_marginal_loss
+from realm_jax.pretrain import step as train_step
 
 SUMMED = ("loss", "accuracy", "null_only_accuracy", "retrieval_utility")  # per target
 PER_QUERY = ("retrieval_entropy", "null_doc_prob")
@@ -57,7 +60,7 @@ def eval_metrics(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length
     )  # [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
-    _, metrics = losses.fused_marginal_loss(
+    _, metrics = fused_marginal_loss(
         relevance, features, table, bias, targets, weights, chunk=vocab_chunk
     )
     null_logits = jnp.einsum("bph,vh->bpv", features[:, 0], table) + bias  # [B, P, V]
@@ -74,7 +77,7 @@ def compile_eval(config, mesh, model, num_valid: int):
         mesh=mesh,
         num_candidates=config.train.num_candidates,
         num_valid=num_valid,
-        length=train_step.joint_len(config),
+        length=joint_len(config),
         vocab_chunk=max(config.train.mlm_vocab_chunk, 0),
     )
     rows = sharding.rows_sharding(mesh)

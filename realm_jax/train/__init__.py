@@ -1,1 +1,1 @@
-"""The training loop every task shares (REALM pre-training, ICT, ORQA fine-tuning)."""
+"""What every task shares: optimizer, state, warm start, metrics and the one loop."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -19,7 +18,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from realm_jax import checkpoint, sharding
-from realm_jax.metrics import MetricWriter, Progress, line
+from realm_jax import workdir as paths
+from realm_jax.train.metrics import MetricWriter, Progress, line
 
 log = logging.getLogger("realm_jax.train")
 
@@ -110,16 +110,25 @@ def run(
     evaluations included with "eval/" keys)."""
     tc = config.train
     mesh = sharding.make_mesh(config.mesh)
-    writer = MetricWriter(os.path.join(workdir, "tb"))
+    writer = MetricWriter(paths.tb_dir(workdir))
     progress = Progress(tc.steps, start)
     stop = StopSignal(stop_event)
     stop.install()
     history: list[dict] = []
     step, extra = start, {}
+    ready = -1  # the step before_step last ran for
+
+    def prepare(step: int) -> None:
+        """The task's host work before `step` (REALM: take up a newer index), once per step."""
+        nonlocal ready
+        if task.before_step is not None and ready != step:
+            extra.update(task.before_step(step, state) or {})
+        ready = step
 
     def evaluate(step: int) -> None:
         if task.evaluate is None or tc.eval_every <= 0:
             return
+        prepare(step)  # evaluate against the index the next step would use, not an older one
         values = {f"eval/{k}": v for k, v in task.evaluate(state, step).items()}
         values["step"] = step
         writer.scalars(step, values)
@@ -132,8 +141,7 @@ def run(
         if start == 0:
             evaluate(0)
         while step < tc.steps:
-            if task.before_step is not None:
-                extra.update(task.before_step(step, state) or {})
+            prepare(step)
             batch = sharding.global_batch(next(it), mesh)
             state, metrics = task.step(state, batch)
             step += 1

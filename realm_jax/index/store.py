@@ -5,7 +5,7 @@ optional serialised ScaNN searcher under scann/) by writing everything into a ``
 directory, fsyncing it and renaming it into place, so a reader never sees a partial version.
 Trainers pick the newest version that verifies and hold a lease (``in_use/<owner>.json``) so
 retention never deletes what they still use; leases and retention live in
-realm_jax.index_retention and are re-exported here.
+index/retention.py, which imports this module (never the reverse).
 """
 
 from __future__ import annotations
@@ -294,7 +294,9 @@ def _write_version(tmp: str, step: int, arr: np.ndarray, searcher: Any, extra: d
         os.fsync(f.fileno())
     scann_files: dict[str, int] = {}
     if searcher is not None:
-        from realm_jax import scann_index  # lazy: scann is only needed when a searcher is given
+        from realm_jax.index import (
+            scann as scann_index,  # lazy: scann is only needed when a searcher is given
+        )
 
         sdir = os.path.join(tmp, SCANN_DIR)
         scann_index.save_searcher(searcher, sdir)
@@ -338,14 +340,14 @@ def publish_index(
     embeddings: Any,
     *,
     searcher: Any = None,
-    keep: int | None = 3,
     extra: dict | None = None,
 ) -> str:
     """Atomically publish the embeddings (and optional ScaNN searcher) as version `step`.
 
     Idempotent: if a valid version `step` already exists it is kept and its path returned.
-    `extra` adds manifest fields (e.g. source_checkpoint, embed_seconds). `keep=None`
-    skips retention. Returns the final version path.
+    `extra` adds manifest fields (e.g. source_checkpoint, embed_seconds). Retention (keeping
+    the last few versions) is index/retention.py's `cleanup`, which builds on this module.
+    Returns the final version path.
     """
     extra = dict(extra or {})
     if clash := set(extra) & set(_CORE_KEYS):
@@ -365,10 +367,6 @@ def publish_index(
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
         _fsync_dir(index_dir)
-    if keep is not None:
-        from realm_jax.index_retention import cleanup  # lazy: retention imports this module
-
-        cleanup(index_dir, keep)
     return final
 
 
@@ -387,26 +385,3 @@ def _install(tmp: str, final: str) -> None:
             log.warning("replacing corrupt index version %s", final)
             _discard(final)
     raise OSError(f"could not install {tmp} as {final}")
-
-
-_RETENTION_NAMES = (
-    "cleanup",
-    "leased_steps",
-    "mark_in_use",
-    "release",
-    "LEASE_DIR",
-    "TMP_MAX_AGE_S",
-)
-
-
-def __getattr__(name: str):
-    """Re-export the lease/retention API (realm_jax.index_retention) as index.<name>.
-
-    Resolved on first use rather than imported at the top, because index_retention builds on
-    this module's helpers; either module can be imported first without an import cycle.
-    """
-    if name in _RETENTION_NAMES:
-        from realm_jax import index_retention
-
-        return getattr(index_retention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

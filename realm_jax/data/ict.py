@@ -16,7 +16,7 @@ import numpy as np
 
 from realm_jax import tokenization as tk
 from realm_jax.data import pipeline
-from realm_jax.data import prepare as prepare_lib
+from realm_jax.data import prepared as prepare_lib
 
 
 class BlockSubset:

@@ -14,7 +14,7 @@ import shutil
 import socket
 import time
 
-from realm_jax.index import (
+from realm_jax.index.store import (
     WRITER,
     _discard,
     _is_valid,

@@ -1,8 +1,18 @@
-"""REALM's marginal likelihood, its metrics, and the ORQA reader losses.
+"""REALM's marginal MLM loss over candidates with a fused, vocabulary-chunked softmax.
 
-The pre-training loss follows the REALM release: per masked position j,
-    log p(y_j | x) = logsumexp_z [ log p(z | x) + log p(y_j | x, z) ],
-averaged over the real targets and negated. Candidate 0 is the null document.
+REALM scores every masked position against every candidate: B*K*P rows of vocab-sized
+logits, 39 MB in float32 at the smoke size (8 x 4 x 10 rows) and 5 GB at REALM's batch 512,
+K 8, P 10 (spread over the devices), plus as much again for their log-softmax and gradient.
+`fused_marginal_loss` never holds them. It walks the vocabulary `chunk` rows at a time, twice:
+  pass 1: the log-normaliser lse [N] of every row (running max and sum, flash-style);
+  pass 2: each chunk's softmax p = exp(logits - lse), which gives both the accuracy metric
+          (argmax over v of the marginal sum_k p(z_k|x) p(v|x,z_k)) and, when differentiating,
+          the whole gradient: d loss / d logit[n, v] = c_n (p[n, v] - [v == y_n]) with
+          c_n = (w / num_targets) p(z_k | x, y), the candidate's posterior given the target.
+Because the loss is the root of differentiation, its gradient can be formed in the forward
+pass (pass 2) and scaled by the incoming cotangent in the backward pass: the logits are
+computed twice in all, where autodiff of pass 1 plus a separate argmax pass took three
+(bench/train_throughput.py compares against materialising; train.mlm_vocab_chunk=-1).
 """
 
 from __future__ import annotations
@@ -15,26 +25,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def marginal_loss(relevance: Array, mlm_logits: Array, targets: Array, weights: Array):
-    """REALM marginal loss and metrics from materialised logits (the readable definition;
-    training uses `fused_marginal_loss`, which gives the same values without the logits).
-
-    relevance [B, K] (candidate 0 = null doc), mlm_logits [B, K, P, V], targets [B, P],
-    weights [B, P] (1 for real targets). Returns (loss, metrics dict of scalars).
-    """
-    log_pz = jax.nn.log_softmax(relevance.astype(jnp.float32), axis=-1)  # [B, K]
-    # One log-softmax over the vocabulary serves the loss and the accuracy metric.
-    log_p_vocab = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)  # [B, K, P, V]
-    tgt = jnp.broadcast_to(targets[:, None, :, None], mlm_logits.shape[:-1] + (1,))
-    log_py = jnp.take_along_axis(log_p_vocab, tgt, axis=-1)[..., 0]  # [B, K, P]
-    # Prediction = argmax of the marginal distribution over the vocabulary (no gradient).
-    marginal_vocab = jax.nn.logsumexp(
-        jax.lax.stop_gradient(log_pz[:, :, None, None] + log_p_vocab), axis=1
-    )  # [B, P, V]
-    return _marginal_metrics(log_pz, log_py, jnp.argmax(marginal_vocab, axis=-1), targets, weights)
-
-
-def _marginal_metrics(log_pz, log_py, predicted, targets, weights):
+def marginal_metrics(log_pz, log_py, predicted, targets, weights):
     """(loss, metrics) from log p(z|x) [B, K], log p(y_j|x,z) [B, K, P] and the argmax of the
     marginal over the vocabulary [B, P]."""
     weights = weights.astype(jnp.float32)
@@ -54,23 +45,6 @@ def _marginal_metrics(log_pz, log_py, predicted, targets, weights):
         "num_targets": weights.sum(),
     }
     return loss, metrics
-
-
-# ----------------------------------------------------------------------------- fused MLM softmax
-#
-# REALM scores every masked position against every candidate: B*K*P rows of vocab-sized
-# logits, 39 MB in float32 at the smoke size (8 x 4 x 10 rows) and 5 GB at REALM's batch 512,
-# K 8, P 10 (spread over the devices), plus as much again for their log-softmax and gradient.
-# `fused_marginal_loss` never holds them. It walks the vocabulary `chunk` rows at a time, twice:
-#   pass 1: the log-normaliser lse [N] of every row (running max and sum, flash-style);
-#   pass 2: each chunk's softmax p = exp(logits - lse), which gives both the accuracy metric
-#           (argmax over v of the marginal sum_k p(z_k|x) p(v|x,z_k)) and, when differentiating,
-#           the whole gradient: d loss / d logit[n, v] = c_n (p[n, v] - [v == y_n]) with
-#           c_n = (w / num_targets) p(z_k | x, y), the candidate's posterior given the target.
-# Because the loss is the root of differentiation, its gradient can be formed in the forward
-# pass (pass 2) and scaled by the incoming cotangent in the backward pass: the logits are
-# computed twice in all, where autodiff of pass 1 plus a separate argmax pass took three
-# (bench/train_throughput.py compares against materialising; train.mlm_vocab_chunk=-1).
 
 
 def _vocab_chunk(table: Array, bias: Array, i: Array, c: int):
@@ -257,37 +231,6 @@ def fused_marginal_loss(
     log_pz = jax.nn.log_softmax(relevance.astype(jnp.float32), axis=-1)
     loss, log_py, predicted = _fused_mlm(log_pz, features, table, bias, targets, weights, chunk)
     sg = jax.lax.stop_gradient
-    _, metrics = _marginal_metrics(sg(log_pz), sg(log_py), sg(predicted), targets, weights)
+    _, metrics = marginal_metrics(sg(log_pz), sg(log_py), sg(predicted), targets, weights)
     metrics["loss"] = loss
     return loss, metrics
-
-
-def _marginal_log_loss(logits: Array, is_correct: Array) -> Array:
-    """-log sum_{correct} p; 0 where nothing is correct (as in ORQA)."""
-    logits = logits.astype(jnp.float32)
-    neg = jnp.finfo(jnp.float32).min
-    num = jax.nn.logsumexp(jnp.where(is_correct, logits, neg), axis=-1)
-    den = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.where(is_correct.any(-1), den - num, 0.0)
-
-
-def correct_spans(starts: Array, ends: Array, gold_starts: Array, gold_ends: Array) -> Array:
-    """starts/ends [S], gold [K, A] -> [K, S] True where a span equals some gold span."""
-    hit = (starts[None, None, :] == gold_starts[..., None]) & (
-        ends[None, None, :] == gold_ends[..., None]
-    )
-    return hit.any(axis=1)
-
-
-def orqa_losses(relevance, span_logits, starts, ends, gold_starts, gold_ends, has_answers):
-    """ORQA/REALM fine-tuning losses for one question over K blocks.
-
-    relevance [K], span_logits [K, S], starts/ends [S], gold_* [K, A], has_answers [K].
-    Returns (total, retriever_loss, reader_loss).
-    """
-    retriever = _marginal_log_loss(relevance, has_answers)
-    correct = correct_spans(starts, ends, gold_starts, gold_ends)
-    # As in ORQA, a span's score is its block's retrieval score plus the reader's span score.
-    joint = span_logits + relevance[:, None].astype(jnp.float32)
-    reader = _marginal_log_loss(joint.reshape(-1), correct.reshape(-1))
-    return retriever + reader, retriever, reader

@@ -11,30 +11,30 @@ import os
 import jax
 import numpy as np
 
-from realm_jax import checkpoint, index, sharding
-from realm_jax.models import RealmModel
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.data import prepared
+from realm_jax.index import store
+from realm_jax.index.corpus import abstract_params
 from realm_jax.tokenization import encode_query
 
 
 def _query_params(config, workdir: str, mesh):
-    from realm_jax.train_step import abstract_params
-
     model, abstract = abstract_params(config, mesh, "query_embedder")
     mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
     step = mgr.latest_step()
     if step is None:
-        raise FileNotFoundError(f"no checkpoint in {checkpoint.checkpoint_dir(workdir)}")
+        raise FileNotFoundError(f"no checkpoint in {paths.checkpoint_dir(workdir)}")
     return model, checkpoint.restore_params_subtree(mgr, step, "query_embedder", abstract)
 
 
 def ask(config, workdir: str, question: str, top_k: int = 5):
     """[(title, text, score)] of the top_k blocks for a question or masked sentence."""
-    from realm_jax.data import prepare
-    from realm_jax.refresh import index_dir
-
-    found = index.latest_valid(index_dir(workdir))
+    found = store.latest_valid(paths.index_dir(workdir))
     if found is None:
-        raise FileNotFoundError(f"no valid index in {index_dir(workdir)}: run `realm-jax refresh`")
+        raise FileNotFoundError(
+            f"no valid index in {paths.index_dir(workdir)}: run `realm-jax refresh`"
+        )
     _, path = found
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
     model, params = _query_params(config, workdir, mesh)
@@ -45,18 +45,25 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
             ids,
             np.zeros_like(ids),
             (ids != 0).astype(np.int32),
-            method=RealmModel.embed_query,
+            method="embed_query",
         )
     )
     scann_dir = os.path.join(path, "scann")
     if os.path.isdir(scann_dir):
-        from realm_jax import scann_index
+        from realm_jax.index import scann as scann_index
 
         hits, scores = scann_index.search(scann_index.load_searcher(scann_dir), q, top_k)
     else:
-        emb = index.load_embeddings(path)
+        emb = store.load_embeddings(path)
         s = q @ emb.T
         hits = np.argsort(-s, axis=1)[:, :top_k]
         scores = np.take_along_axis(s, hits, axis=1)
-    ddir = config.data.data_dir or os.path.join(os.path.abspath(workdir), "data")
-    return [(*prepare.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
+    ddir = paths.data_dir(config, workdir)
+    return [(*prepared.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
+
+
+def command(config, args) -> int:
+    """`realm-jax ask "question"`: the top blocks, with their scores."""
+    for title, text, score in ask(config, args.workdir, " ".join(args.question), args.top_k):
+        print(f"[{score:8.3f}] {title}: {text[:200]}")
+    return 0

@@ -1,0 +1,74 @@
+"""ICT as a task of the shared loop: the `ict` command (and `train` with configs/ict.py)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+
+import jax
+
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.data import ict as ict_data
+from realm_jax.data import pipeline, prepared
+from realm_jax.ict.evaluation import IctEvaluator
+from realm_jax.ict.step import create_state, ict_step
+from realm_jax.train import loop
+from realm_jax.train.warm_start import params_hook
+
+log = logging.getLogger("realm_jax.ict")
+
+
+def train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
+    """ICT pre-training of the embedders; resumable. Returns the logged metrics."""
+    os.makedirs(workdir, exist_ok=True)
+    tc = config.train
+    mesh = sharding.make_mesh(config.mesh)
+    sharding.check_batch(tc.batch_size, mesh)
+    ddir = paths.data_dir(config, workdir)
+    prepared.check_prepared(config, ddir)
+    tokens, doc_ids, titles = prepared.load_blocks(ddir)
+    train_ids = ict_data.train_block_ids(config.data, titles, doc_ids)
+    log.info(
+        "ICT: %d training blocks of %d; mesh %s", len(train_ids), len(titles), dict(mesh.shape)
+    )
+    mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
+    hook = None if mgr.all_steps() else params_hook(config, reader=False)
+    model, optimizer, state, shardings = create_state(config, mesh, jax.random.key(tc.seed), hook)
+    it = iter(ict_data.train_loader(config, ddir, train_ids))
+    start, state = loop.init_or_resume(
+        mgr, state, shardings, it, (pipeline.iterator_save_args, pipeline.iterator_restore_args)
+    )
+    step_fn = jax.jit(
+        functools.partial(ict_step, model=model, optimizer=optimizer, mesh=mesh, seed=tc.seed),
+        in_shardings=(shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(shardings, sharding.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+    evaluator = IctEvaluator(config, mesh, model, ddir, tokens) if tc.eval_every > 0 else None
+    keys = tuple(f"recall@{k}" for k in config.ict.recall_ks)
+    task = loop.Task(
+        name="ict",
+        step=step_fn,
+        evaluate=evaluator,
+        console_keys=("loss", "accuracy"),
+        eval_console_keys=keys + tuple(f"bm25_{k}" for k in keys),
+    )
+    return loop.run(
+        config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
+    )
+
+
+def command(config, args) -> int:
+    """`realm-jax ict` (or `train`/`local` with configs/ict.py)."""
+    if config.task != "ict":
+        print(
+            f"realm-jax ict: {args.config} is a {config.task!r} config; use configs/ict.py",
+            file=sys.stderr,
+        )
+        return 2
+    train(config, args.workdir)
+    return 0

@@ -1,0 +1,150 @@
+"""The trainer's side of the index: the row-sharded device matrix of block embeddings, swapped
+for a newer published version (external mode) or re-embedded on the trainer's own devices
+(inprocess mode). A swap keeps the array's shape and sharding, so nothing recompiles."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from realm_jax import sharding
+from realm_jax import workdir as paths
+from realm_jax.index import retention, store
+from realm_jax.index.corpus import embed_blocks_fn, pad_index
+from realm_jax.model.realm import RealmModel
+
+log = logging.getLogger("realm_jax.refresh")
+
+
+class IndexFeed:
+    """The trainer's document index on device: embeddings + tokens, row-sharded."""
+
+    def __init__(
+        self,
+        config,
+        workdir: str,
+        mesh,
+        model: RealmModel,
+        tokens: np.ndarray,
+        owner: str = "trainer",
+    ):
+        self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
+        if self.mode not in ("external", "inprocess"):
+            raise ValueError(f"refresh.mode must be external or inprocess, got {self.mode!r}")
+        self.dir, self.owner = paths.index_dir(workdir), owner
+        self.num_blocks = tokens.shape[0]
+        _, tok = pad_index(None, tokens, mesh)
+        self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
+        self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
+        self.emb = None  # [Npad, D]
+        self.step = -1  # the checkpoint step the current embeddings came from
+        self.last_swap_seconds = 0.0
+        self._warned = -1
+
+    def _load_published(self, step: int, path: str) -> None:
+        t0 = time.time()
+        host = store.load_embeddings(path)
+        new = sharding.put_rows(sharding.pad_rows(host.astype(np.float32), self.mesh), self.mesh)
+        new.block_until_ready()
+        self.emb, self.step = new, step
+        self.last_swap_seconds = time.time() - t0
+        if jax.process_index() == 0:
+            retention.mark_in_use(self.dir, step, self.owner)
+        log.info(
+            "index: now using version %d (%s), swap took %.2fs", step, path, self.last_swap_seconds
+        )
+
+    def _newest(self, newer_than: int):
+        return store.latest_valid(
+            self.dir,
+            newer_than=newer_than,
+            expected_num_blocks=self.num_blocks,
+            expected_dim=self.config.model.proj_size,
+        )
+
+    def start(self, params, step: int, health=None) -> None:
+        """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
+        if self.mode == "inprocess":
+            self.reembed(params, step)
+            return
+        found = self._newest(-1)
+        deadline = time.time() + self.config.refresh.wait_seconds
+        while found is None or found[0] < min(step, 0):
+            if time.time() > deadline:
+                raise TimeoutError(
+                    f"no valid index in {self.dir} after {self.config.refresh.wait_seconds:.0f}s: "
+                    "start the refresh job (`realm-jax refresh`), use `realm-jax local`, or set "
+                    "--config.refresh.mode=inprocess"
+                )
+            if health is not None:
+                health()  # raises when the refresh job has died
+            log.info("waiting for the refresh job to publish an index in %s ...", self.dir)
+            time.sleep(self.config.refresh.poll_seconds)
+            found = self._newest(-1)
+        self._load_published(*found)
+
+    def reembed(self, params, step: int) -> None:
+        """In-process refresh: embed every block with the trainer's current parameters."""
+        t0 = time.time()
+        self.emb = self.embed(params, self.tokens)
+        self.emb.block_until_ready()
+        self.step, self.last_swap_seconds = step, time.time() - t0
+        log.info(
+            "index: re-embedded %d blocks in-process at step %d (%.2fs)",
+            self.num_blocks,
+            step,
+            self.last_swap_seconds,
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether to look for a new index before `step`: every refresh.every steps in
+        inprocess mode (it re-embeds), every refresh.check_every steps in external mode, so a
+        published version is taken up within check_every steps (looking only every
+        refresh.every steps let staleness run to about twice that)."""
+        r = self.config.refresh
+        return step % (r.every if self.mode == "inprocess" else max(1, r.check_every)) == 0
+
+    def close(self) -> None:
+        """Release the trainer's lease on its index version (the refresher may delete it)."""
+        if self.mode == "external" and self.step >= 0 and jax.process_index() == 0:
+            retention.release(self.dir, self.owner)
+
+    def _agreed_newest(self):
+        """The newest valid version newer than ours, the same on every process: process 0
+        looks, the others follow (a version published between two processes' looks must not
+        split them)."""
+        found = self._newest(self.step) if jax.process_index() == 0 else None
+        if jax.process_count() == 1:
+            return found
+        chosen = int(
+            multihost_utils.broadcast_one_to_all(np.int64(-1 if found is None else found[0]))
+        )
+        if chosen < 0:
+            return None
+        return chosen, os.path.join(self.dir, store.version_name(chosen))
+
+    def maybe_refresh(self, params, step: int) -> bool:
+        """Swap in a newer index if one is published (re-embed in inprocess mode); True when
+        the index changed."""
+        if self.mode == "inprocess":
+            self.reembed(params, step)
+            return True
+        found = self._agreed_newest()
+        if found is not None:
+            self._load_published(*found)
+            return True
+        stale = step - self.step
+        if stale > self.config.refresh.max_staleness and self._warned != self.step:
+            log.warning(
+                "index staleness %d steps exceeds refresh.max_staleness %d: is the "
+                "refresh job running and keeping up?",
+                stale,
+                self.config.refresh.max_staleness,
+            )
+            self._warned = self.step
+        return False

@@ -1,0 +1,138 @@
+"""The refresh job: watches the trainer's checkpoints, restores only the document embedder,
+embeds every block on its devices, and publishes an index version (embeddings + a ScaNN
+searcher) atomically (index/store.py), keeping the last few (index/retention.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.index import retention, store
+from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index
+from realm_jax.model.bert import ModelConfig
+from realm_jax.model.realm import doc_embedder_name
+
+log = logging.getLogger("realm_jax.refresh")
+
+
+def _host_embeddings(emb: jax.Array, num_blocks: int) -> np.ndarray:
+    """Sharded [Npad, D] device array -> host [N, D] (gathered across processes)."""
+    if jax.process_count() > 1:
+        emb = multihost_utils.process_allgather(emb, tiled=True)
+    return np.asarray(jax.device_get(emb))[:num_blocks]
+
+
+def build_searcher(config, embeddings: np.ndarray):
+    """A ScaNN searcher whose parameters come from config.refresh and the corpus size."""
+    from realm_jax.index import scann as scann_index
+
+    r = config.refresh
+    params = scann_index.scann_params(
+        len(embeddings),
+        num_leaves=r.scann_num_leaves,
+        leaves_to_search=r.scann_leaves_to_search,
+        reorder=r.scann_reorder,
+    )
+    return scann_index.build_searcher(embeddings, k=10, **params)
+
+
+class Refresher:
+    """The refresh job: checkpoints in, published index versions out."""
+
+    def __init__(self, config, workdir: str, tokens: np.ndarray, mesh=None):
+        self.config, self.workdir = config, workdir
+        self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
+        self.name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
+        self.model, self.abstract = abstract_params(config, self.mesh, self.name)
+        self.num_blocks = tokens.shape[0]
+        _, tok = pad_index(None, tokens, self.mesh)
+        self.tokens = sharding.put_rows(tok, self.mesh)
+        self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
+        self.dir = paths.index_dir(workdir)
+        os.makedirs(self.dir, exist_ok=True)
+
+    def refresh_once(self, mgr, step: int) -> str:
+        """Embed the corpus with checkpoint `step`'s document embedder and publish it."""
+        t0 = time.time()
+        params = checkpoint.restore_params_subtree(mgr, step, self.name, self.abstract)
+        t_restore = time.time() - t0
+        emb = self.embed({self.name: params}, self.tokens)
+        host = _host_embeddings(emb, self.num_blocks)
+        t_embed = time.time() - t0 - t_restore
+        if jax.process_index() != 0:
+            return ""
+        searcher = build_searcher(self.config, host) if self.config.refresh.build_scann else None
+        path = store.publish_index(
+            self.dir,
+            step,
+            host,
+            searcher=searcher,
+            extra={
+                "source_checkpoint": os.path.join(paths.checkpoint_dir(self.workdir), str(step)),
+                "embed_seconds": t_embed,
+                "restore_seconds": t_restore,
+            },
+        )
+        retention.cleanup(self.dir, self.config.refresh.keep)
+        log.info(
+            "refresh: published index %d (%d blocks, restore %.2fs, embed %.2fs = %.0f "
+            "blocks/s, total %.2fs)",
+            step,
+            self.num_blocks,
+            t_restore,
+            t_embed,
+            self.num_blocks / max(t_embed, 1e-9),
+            time.time() - t0,
+        )
+        return path
+
+    def run(self, stop: threading.Event | None = None, max_versions: int | None = None) -> int:
+        """Watch checkpoints until `stop` is set (or max_versions published); returns count."""
+        stop = stop or threading.Event()
+        mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
+        versions = store.list_versions(self.dir)
+        last = versions[-1] if versions else -1
+        done = 0
+        log.info(
+            "refresh: watching %s (last published index: %d)",
+            paths.checkpoint_dir(self.workdir),
+            last,
+        )
+        while not stop.is_set() and (max_versions is None or done < max_versions):
+            mgr.reload()
+            steps = mgr.all_steps()
+            if steps and max(steps) > last:
+                last = max(steps)  # catch up: skip straight to the newest checkpoint
+                self.refresh_once(mgr, last)
+                done += 1
+            else:
+                stop.wait(self.config.refresh.poll_seconds)
+        return done
+
+
+def _all_devices_mesh(config):
+    """The refresh job shards blocks over all its devices along 'data'."""
+    import ml_collections
+
+    return ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (-1, 1)})
+
+
+def command(config, args) -> int:
+    """`realm-jax refresh`: run the refresh job until SIGTERM/SIGINT (or --max_versions)."""
+    from realm_jax.data import prepared
+
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
+    Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
+    return 0

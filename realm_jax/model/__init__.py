@@ -1,0 +1,1 @@
+"""The networks: BERT layers, REALM's embedders and reader, their inputs, HF import."""

@@ -1,0 +1,221 @@
+"""REALM's networks: the embedder (BERT [CLS] -> 128-d projection), the knowledge-augmented
+reader with its MLM and ORQA span heads, and the models that group them (RealmModel for
+pre-training, RetrieverModel for ICT)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from realm_jax.model.bert import BertEncoder, ModelConfig, ModelConfigError
+from realm_jax.model.layers import Dropout, _zeros, activation, dense, layer_norm
+
+Array = jax.Array
+
+
+class Embedder(nn.Module):
+    """REALM embedder: pooled [CLS] -> dense(proj_size) -> LayerNorm (-> dropout in training,
+    `proj_dropout`, as ORQA's ict_model.py: rate 0.1 after the projection's LayerNorm; the
+    REALM release embeds with that ICT module). Returns [B, proj]."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.bert = BertEncoder(c, add_pooler=True)
+        self.projection = dense(c.proj_size, ("embed", "proj"), c, "projection")
+        self.projection_LayerNorm = layer_norm(c, "projection_LayerNorm", axis_name="proj")
+        self.projection_dropout = Dropout(c.proj_dropout)
+
+    def __call__(self, ids: Array, segment_ids: Array, mask: Array, train: bool = False) -> Array:
+        _, pooled = self.bert(ids, segment_ids, mask, train)
+        emb = self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
+        return self.projection_dropout(emb, deterministic=not train)
+
+
+class MLMHead(nn.Module):
+    """BERT MLM head: dense + act + LayerNorm (`features`) and the decoder's bias; the decoder
+    itself is the word embeddings (`tied_decoder_logits`)."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.transform = dense(c.hidden_size, ("embed", "embed_out"), c, "transform")
+        self.transform_LayerNorm = layer_norm(c, "transform_LayerNorm")
+        self.bias = self.param("bias", _zeros(("vocab",)), (c.vocab_size,))
+
+    def features(self, h: Array) -> Array:
+        """The decoder's input: [..., H] hidden states -> [..., H] in the compute dtype."""
+        h = self.transform(h)
+        h = self.transform_LayerNorm(activation(self.cfg.hidden_act)(h))
+        return h.astype(self.cfg.compute_dtype)
+
+
+def tied_decoder_logits(features: Array, table: Array, bias: Array) -> Array:
+    """MLM logits [..., V] in float32 from `Reader.mlm_features`' (features [..., H], word
+    embeddings [V, H], bias [V]): the decoder tied to the word embeddings."""
+    logits = jnp.einsum("...h,vh->...v", features, table.astype(features.dtype))
+    return logits.astype(jnp.float32) + bias
+
+
+def span_candidates(length: int, max_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """All spans of width 1..max_width in a length-L sequence, ordered by width then start."""
+    starts = np.concatenate([np.arange(0, length - w + 1) for w in range(1, max_width + 1)])
+    ends = np.concatenate([np.arange(w - 1, length) for w in range(1, max_width + 1)])
+    return starts.astype(np.int32), ends.astype(np.int32)
+
+
+class SpanHead(nn.Module):
+    """ORQA span scorer: start/end projections summed per span, ReLU, LayerNorm, scalar."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: Array, block_mask: Array) -> tuple[Array, np.ndarray, np.ndarray]:
+        """h [N, L, H], block_mask [N, L] -> (logits [N, S], starts [S], ends [S])."""
+        c = self.cfg
+        proj = dense(2 * c.span_hidden_size, ("embed", "mlp"), c, "dense_intermediate")(h)
+        start_p, end_p = jnp.split(proj, 2, axis=-1)
+        starts, ends = span_candidates(h.shape[1], c.max_span_width)
+        x = jax.nn.relu(start_p[:, starts] + end_p[:, ends])
+        x = layer_norm(c, "layer_normalization", eps=c.reader_layer_norm_eps, axis_name="mlp")(x)
+        logits = dense(1, ("mlp", "unit"), c, "dense_output")(x)[..., 0].astype(jnp.float32)
+        span_ok = (block_mask[:, starts] > 0) & (block_mask[:, ends] > 0)
+        logits = logits + jnp.where(span_ok, 0.0, jnp.finfo(jnp.float32).min)
+        return logits, starts, ends
+
+
+class Reader(nn.Module):
+    """Knowledge-augmented encoder: BERT over [CLS] x [SEP] z [SEP] with MLM and span heads.
+
+    MLM logits are computed only at the given positions, never over the whole sequence.
+    """
+
+    cfg: ModelConfig
+
+    def setup(self):
+        self.bert = BertEncoder(self.cfg, add_pooler=False)
+        self.mlm = MLMHead(self.cfg)
+        self.span = SpanHead(self.cfg)
+
+    def mlm_logits(self, ids, segment_ids, mask, positions, train: bool = False):
+        """[N, L] inputs, positions [N, P] -> logits [N, P, vocab] (float32)."""
+        return tied_decoder_logits(*self.mlm_features(ids, segment_ids, mask, positions, train))
+
+    def mlm_features(self, ids, segment_ids, mask, positions, train: bool = False):
+        """What the tied decoder reads, for a loss that never materialises [N, P, vocab]
+        logits (losses.fused_marginal_loss): (features [N, P, H], word embeddings [V, H],
+        decoder bias [V]); logits = features @ embeddings.T + bias."""
+        h, _ = self.bert(ids, segment_ids, mask, train)
+        h = jnp.take_along_axis(h, positions[..., None].astype(jnp.int32), axis=1)
+        table = jnp.asarray(self.bert.embeddings.word_embeddings.embedding)
+        return self.mlm.features(h), table, jnp.asarray(self.mlm.bias)
+
+    def span_logits(self, ids, segment_ids, mask, block_mask, train: bool = False):
+        """[N, L] inputs -> (span logits [N, S], starts [S], ends [S])."""
+        h, _ = self.bert(ids, segment_ids, mask, train)
+        return self.span(h, block_mask)
+
+    def __call__(self, ids, segment_ids, mask, positions, block_mask):
+        """Both heads (used to initialise every reader parameter)."""
+        return (
+            self.mlm_logits(ids, segment_ids, mask, positions),
+            self.span_logits(ids, segment_ids, mask, block_mask)[0],
+        )
+
+
+class RealmModel(nn.Module):
+    """The three REALM networks: query embedder, document embedder and reader. The embedders
+    share one architecture (`embedder_cfg`), the reader has its own (`cfg`); they share the
+    vocabulary. With `share_embedders` the query and document embedders are one network.
+    `embedder_cfg=None` gives the embedders the reader's architecture."""
+
+    cfg: ModelConfig
+    embedder_cfg: ModelConfig | None = None
+
+    @property
+    def ecfg(self) -> ModelConfig:
+        return self.cfg if self.embedder_cfg is None else self.embedder_cfg
+
+    @property
+    def uses_dropout(self) -> bool:
+        """Whether training applies any dropout (and so needs a 'dropout' rng)."""
+        return max(self.cfg.dropout, self.ecfg.dropout, self.ecfg.proj_dropout) > 0
+
+    def setup(self):
+        if self.ecfg.vocab_size != self.cfg.vocab_size:
+            raise ModelConfigError(
+                f"embedder vocab_size {self.ecfg.vocab_size} != reader vocab_size "
+                f"{self.cfg.vocab_size}: queries are read by both, so they must share one"
+            )
+        self.query_embedder = Embedder(self.ecfg)
+        if not self.ecfg.share_embedders:
+            self.doc_embedder = Embedder(self.ecfg)
+        self.reader = Reader(self.cfg)
+
+    def _doc(self):
+        return self.query_embedder if self.ecfg.share_embedders else self.doc_embedder
+
+    def embed_query(self, ids, segment_ids, mask, train: bool = False):
+        return self.query_embedder(ids, segment_ids, mask, train)
+
+    def embed_doc(self, ids, segment_ids, mask, train: bool = False):
+        return self._doc()(ids, segment_ids, mask, train)
+
+    def mlm_logits(self, ids, segment_ids, mask, positions, train: bool = False):
+        return self.reader.mlm_logits(ids, segment_ids, mask, positions, train)
+
+    def mlm_features(self, ids, segment_ids, mask, positions, train: bool = False):
+        return self.reader.mlm_features(ids, segment_ids, mask, positions, train)
+
+    def span_logits(self, ids, segment_ids, mask, block_mask, train: bool = False):
+        return self.reader.span_logits(ids, segment_ids, mask, block_mask, train)
+
+    def __call__(self, query, block, joint, positions, block_mask):
+        """Touch every network once (for init). Each arg is an (ids, segs, mask) tuple."""
+        q = self.embed_query(*query)
+        d = self.embed_doc(*block)
+        return q, d, self.reader(*joint, positions, block_mask)
+
+
+class RetrieverModel(nn.Module):
+    """The two embedders alone (ICT): the same modules under the same names as RealmModel's,
+    so an ICT checkpoint's params["query_embedder"] / ["doc_embedder"] warm-start REALM."""
+
+    cfg: ModelConfig  # the embedders' architecture
+
+    @property
+    def uses_dropout(self) -> bool:
+        return max(self.cfg.dropout, self.cfg.proj_dropout) > 0
+
+    def setup(self):
+        self.query_embedder = Embedder(self.cfg)
+        if not self.cfg.share_embedders:
+            self.doc_embedder = Embedder(self.cfg)
+
+    def embed_query(self, ids, segment_ids, mask, train: bool = False):
+        return self.query_embedder(ids, segment_ids, mask, train)
+
+    def embed_doc(self, ids, segment_ids, mask, train: bool = False):
+        doc = self.query_embedder if self.cfg.share_embedders else self.doc_embedder
+        return doc(ids, segment_ids, mask, train)
+
+    def __call__(self, query, block):
+        """Touch both embedders once (for init). Each arg is an (ids, segs, mask) tuple."""
+        return self.embed_query(*query), self.embed_doc(*block)
+
+
+def realm_model(model_config) -> RealmModel:
+    """The RealmModel that `config.model` describes."""
+    return RealmModel(
+        ModelConfig.from_config(model_config, "reader"),
+        ModelConfig.from_config(model_config, "embedder"),
+    )
+
+
+def doc_embedder_name(cfg: ModelConfig) -> str:
+    """The params subtree that embeds documents (what the refresh job restores)."""
+    return "query_embedder" if cfg.share_embedders else "doc_embedder"

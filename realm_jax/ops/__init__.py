@@ -1,0 +1,1 @@
+"""Kernels: the fused vocabulary softmax and sharded exact MIPS."""

@@ -1,0 +1,164 @@
+"""REALM pre-training as a task of the shared loop (train/loop.py): mesh, data, state,
+weight import, the index feed, the step, held-out evaluation; and the `train` and `local`
+commands."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.data import pipeline, prepared
+from realm_jax.index.feed import IndexFeed
+from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain.evaluation import RealmEvaluator
+from realm_jax.train import loop
+from realm_jax.train.warm_start import params_hook
+
+log = logging.getLogger("realm_jax.train")
+
+
+def train(
+    config,
+    workdir: str,
+    stop_event: threading.Event | None = None,
+    health: Callable[[], None] | None = None,
+) -> list[dict]:
+    """Pre-train REALM; resumable. Returns the metrics logged by this run (one dict per log).
+
+    health() is called while waiting for the first index and before every step; it raises
+    when something the run depends on has died (`local`'s refresh job)."""
+    os.makedirs(workdir, exist_ok=True)
+    tc = config.train
+    mesh = sharding.make_mesh(config.mesh)
+    sharding.check_batch(tc.batch_size, mesh)
+    if tc.num_candidates < 2:
+        raise ValueError("train.num_candidates must be >= 2 (the null document + 1 retrieved)")
+    ddir = paths.data_dir(config, workdir)
+    prepared.check_prepared(config, ddir)
+    tokens, _, titles = prepared.load_blocks(ddir)  # [N, Lb]
+    log.info(
+        "mesh %s over %d devices (%d processes); %d blocks",
+        dict(mesh.shape),
+        mesh.devices.size,
+        jax.process_count(),
+        tokens.shape[0],
+    )
+    mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
+    hook = None if mgr.all_steps() else params_hook(config)  # a resume restores the weights
+    model, optimizer, state, shardings = train_step.create_state(
+        config, mesh, jax.random.key(tc.seed), hook
+    )
+    loader = pipeline.train_loader(
+        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
+    )
+    it = iter(loader)
+    start, state = loop.init_or_resume(
+        mgr, state, shardings, it, (pipeline.iterator_save_args, pipeline.iterator_restore_args)
+    )
+    feed = IndexFeed(config, workdir, mesh, model, tokens)
+    feed.start(state.params, start, health)
+    step_fn = train_step.compile_train_step(
+        config, mesh, model, optimizer, shardings, feed.num_blocks
+    )
+    evaluator = None
+    if tc.eval_every > 0:
+        batches = pipeline.eval_batches(
+            config, ddir, batch_size=tc.eval_batch_size, max_examples=tc.eval_examples
+        )
+        evaluator = RealmEvaluator(config, mesh, model, feed, batches, titles)
+
+    def before_step(step: int, state) -> dict:
+        if health is not None:
+            health()
+        if step > start and feed.due(step) and feed.maybe_refresh(state.params, step):
+            return {"index_swap_seconds": feed.last_swap_seconds}
+        return {}
+
+    def step(state, batch):
+        state, metrics = step_fn(state, batch, feed.emb, feed.tokens, jnp.int32(feed.step))
+        return state, metrics
+
+    task = loop.Task(
+        name="realm",
+        step=step,
+        evaluate=evaluator,
+        before_step=before_step,
+        console_keys=CONSOLE_KEYS,
+        eval_console_keys=EVAL_CONSOLE_KEYS,
+        close=feed.close,
+    )
+    return loop.run(
+        config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
+    )
+
+
+CONSOLE_KEYS = (
+    "loss",
+    "accuracy",
+    "retrieval_utility",
+    "retrieval_entropy",
+    "null_doc_prob",
+    "staleness",
+)
+
+
+EVAL_CONSOLE_KEYS = (
+    "accuracy",
+    "null_only_accuracy",
+    "retrieval_utility",
+    "retrieval_entropy",
+    "null_doc_prob",
+    "same_title_fraction",
+    "same_title_random",
+)
+
+
+def train_command(config, args) -> int:
+    """`realm-jax train` with a REALM config: the trainer alone (pair it with `refresh`)."""
+    train(config, args.workdir)
+    return 0
+
+
+def _passthrough_args(args) -> list[str]:
+    out = ["--config", args.config, "--workdir", args.workdir]
+    out += [a for a in sys.argv[1:] if a.startswith("--config.")]
+    return out
+
+
+def local(config, args) -> int:
+    """`realm-jax local`: the trainer in this process, the refresher as a child process;
+    both stop together."""
+    child = None
+    if config.refresh.mode == "external":
+        cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]
+        child = subprocess.Popen(cmd)
+        log.info("local: started refresher (pid %d)", child.pid)
+
+    def refresher_alive() -> None:
+        if child is not None and child.poll() is not None:
+            raise RuntimeError(
+                f"the refresh job (pid {child.pid}) exited with code {child.returncode}: the "
+                "index would go stale; stopping (its log is above). The last checkpoint is kept."
+            )
+
+    try:
+        train(config, args.workdir, health=refresher_alive)
+    finally:
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            log.info("local: refresher stopped")
+    return 0

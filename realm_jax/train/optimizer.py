@@ -1,0 +1,51 @@
+"""BERT's AdamW with REALM's warmup and linear decay, clipping, no decay on LayerNorm/bias."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def warmup_steps(train_cfg) -> int:
+    """BERT/REALM warmup: min(10000, max(100, steps / 10)) unless set explicitly."""
+    if train_cfg.warmup_steps >= 0:
+        return int(train_cfg.warmup_steps)
+    return int(min(10_000, max(100, train_cfg.steps // 10)))
+
+
+def learning_rate(train_cfg) -> optax.Schedule:
+    """Linear warmup to lr, then linear decay to 0 at train.steps."""
+    warm = warmup_steps(train_cfg)
+    decay = max(1, train_cfg.steps - warm)
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, train_cfg.lr, max(1, warm)),
+            optax.linear_schedule(train_cfg.lr, 0.0, decay),
+        ],
+        [warm],
+    )
+
+
+def _decay_mask(params):
+    """Weight decay on kernels and embeddings only; not on LayerNorm or biases."""
+
+    def keep(path, _):
+        names = [str(getattr(p, "key", getattr(p, "name", ""))) for p in path]
+        return not any(n in ("bias", "scale") for n in names)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    """AdamW as in BERT, with global-norm clipping."""
+    return optax.chain(
+        optax.clip_by_global_norm(train_cfg.grad_clip),
+        optax.adamw(
+            learning_rate(train_cfg),
+            b1=train_cfg.adam_b1,
+            b2=train_cfg.adam_b2,
+            eps=train_cfg.adam_eps,
+            weight_decay=train_cfg.weight_decay,
+            mask=_decay_mask,
+        ),
+    )

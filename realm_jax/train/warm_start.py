@@ -1,0 +1,93 @@
+"""Initial weights for a fresh run (a resume restores its own): HuggingFace folders for the
+embedders and the reader, and an ICT run's checkpoint for both embedders. Written once for
+every task (resume > warm start > scratch)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import linen as nn
+
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.model import hf_import as weights
+from realm_jax.model.bert import ModelConfig
+from realm_jax.model.realm import RetrieverModel, doc_embedder_name
+
+log = logging.getLogger("realm_jax.train")
+
+
+def params_hook(config, reader: bool = True):
+    """Weight import named in config.model: HF folders for the embedders and the reader, then
+    an ICT checkpoint for both embedders (None when nothing to import). Resuming a run
+    restores its own weights instead (the loop calls this only for a fresh run)."""
+    m = config.model
+    if not (m.init_embedder_from or (reader and m.init_reader_from) or m.init_embedders_from_ict):
+        return None
+    ecfg = ModelConfig.from_config(m, "embedder")
+    rcfg = ModelConfig.from_config(m, "reader")
+
+    def hook(params):
+        params = dict(params)
+        if m.init_embedder_from:
+            loaded, fields = weights.embedder_params(m.init_embedder_from)
+            weights.check_fields(ecfg, fields, m.init_embedder_from, "config.model.embedder")
+            for name in {"query_embedder", doc_embedder_name(ecfg)}:
+                params[name] = weights.merge_params(params[name], loaded, name)
+            log.info("imported both embedders from %s", m.init_embedder_from)
+        if reader and m.init_reader_from:
+            loaded, fields = weights.reader_params(m.init_reader_from, with_span_head=False)
+            weights.check_fields(rcfg, fields, m.init_reader_from, "config.model.reader")
+            params["reader"] = weights.merge_params(params["reader"], loaded, "reader")
+            log.info("imported the reader from %s", m.init_reader_from)
+        if m.init_embedders_from_ict:
+            ict = ict_embedder_params(m.init_embedders_from_ict, ecfg)
+            for name in {"query_embedder", doc_embedder_name(ecfg)}:
+                src = ict.get(name, ict["query_embedder"])
+                params[name] = weights.merge_params(params[name], src, name)
+        return params
+
+    return hook
+
+
+def ict_embedder_params(path: str, ecfg) -> dict:
+    """{network name: host params} of both embedders from an ICT workdir's newest checkpoint
+    (ICT trains the same Embedder modules under the same names; an ICT run with shared
+    embedders gives its one embedder to both)."""
+
+    if not os.path.isdir(paths.checkpoint_dir(path)):
+        raise FileNotFoundError(
+            f"model.init_embedders_from_ict={path!r}: no checkpoints folder there (give the "
+            "workdir of a `realm-jax ict` run)"
+        )
+    mgr = checkpoint.manager(path, with_data=False, read_only=True)
+    if not mgr.all_steps():
+        raise FileNotFoundError(f"model.init_embedders_from_ict={path!r}: no checkpoint yet")
+    step = mgr.latest_step()
+    names = restore_embedders(mgr, step, ecfg)
+    log.info("warm start: both embedders from ICT checkpoint %d in %s", step, path)
+    return names
+
+
+def restore_embedders(mgr, step: int, ecfg: ModelConfig) -> dict:
+    """{name: host params} of the embedders in checkpoint `step` (a REALM warm start)."""
+
+    one = ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (1, 1)})
+    mesh = sharding.make_mesh(one, devices=jax.devices()[:1])
+    model = RetrieverModel(ecfg)
+
+    def t(length):
+        return (jnp.ones((1, length), jnp.int32),) * 3
+
+    boxed = jax.eval_shape(lambda r: model.init(r, t(8), t(8))["params"], jax.random.key(0))
+    shard = sharding.logical_shardings(mesh, boxed)
+    out = {}
+    for name in nn.meta.unbox(boxed):
+        target = checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])
+        # position tables may differ in length: shapes come from the checkpoint's metadata
+        out[name] = jax.device_get(checkpoint.restore_params_subtree(mgr, step, name, target))
+    return out
