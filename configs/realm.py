@@ -139,6 +139,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.eval_batch_size = 8 if variant == "smoke" else 32  # global batch of an evaluation
     c.train.eval_examples = 256 if variant == "smoke" else 1024  # held-out examples used (0 all)
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
+    c.train.max_nonfinite = 5  # non-finite steps in a row (skipped) before the run stops
 
     # ---------------------------------------------------------------- index refresh
     c.refresh = ml_collections.ConfigDict()

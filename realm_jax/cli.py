@@ -122,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime.setup(args)
     module, function = entry_point(args.command, config).split(":")
-    return getattr(importlib.import_module(module), function)(config, args) or 0
+    from realm_jax.train.loop import TrainingStopped
+
+    try:
+        return getattr(importlib.import_module(module), function)(config, args) or 0
+    except TrainingStopped as e:
+        print(f"realm-jax {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

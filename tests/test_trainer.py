@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -307,3 +308,54 @@ def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
     want = jax.jit(lambda p, t: corpus.embed_block_tokens(model, p, t))(state.params, tokens)
     np.testing.assert_allclose(store.load_embeddings(path), np.asarray(want), atol=2e-5)
     assert step == 0
+
+
+def test_non_finite_steps_are_skipped_and_stop_the_run_without_saving(data_dir, tmp_path):
+    """lr=1e30 blows the weights up after the first update: every later step is non-finite.
+    Those updates are not applied (decided on device), the run stops past
+    train.max_nonfinite with a message naming the step and the metric, and every checkpoint
+    on disk holds finite weights (nothing was saved after the blow-up)."""
+    from realm_jax.train.loop import TrainingStopped
+
+    work = str(tmp_path / "nan")
+    cfg = config(
+        f"data.data_dir={data_dir}",
+        "train.lr=1e30",
+        "train.warmup_steps=0",
+        "train.max_nonfinite=3",
+        "train.checkpoint_every=2",
+    )
+    with pytest.raises(TrainingStopped, match=r"step \d+: loss.* not finite for 4 steps"):
+        pretrain_commands.train(cfg, work)
+    mgr = checkpoint.manager(work, with_data=False, read_only=True)
+    for step in mgr.all_steps():
+        state = mgr.restore(step, args=ocp_args_state())["state"]
+        leaves = jax.tree.leaves(state["params"])
+        assert all(np.isfinite(np.asarray(x)).all() for x in leaves), step
+
+
+def ocp_args_state():
+    import orbax.checkpoint as ocp
+
+    return ocp.args.Composite(state=ocp.args.PyTreeRestore())
+
+
+def test_guarded_update_skips_a_non_finite_step():
+    import optax
+
+    from realm_jax.train.state import TrainState, guarded_update
+
+    opt = optax.sgd(0.1)
+    params = {"w": jnp.ones(3)}
+    state = TrainState(
+        step=jnp.int32(4), params=params, opt_state=opt.init(params), nonfinite=jnp.int32(0)
+    )
+    good = guarded_update(state, {"w": jnp.ones(3)}, {"loss": jnp.float32(1.0)}, opt)
+    np.testing.assert_allclose(good.params["w"], 0.9)
+    assert int(good.nonfinite) == 0 and int(good.step) == 5
+    m = {"loss": jnp.float32(np.nan)}
+    bad = guarded_update(good, {"w": jnp.ones(3)}, m, opt)
+    np.testing.assert_allclose(bad.params["w"], 0.9)  # unchanged
+    assert int(bad.nonfinite) == 1 and int(bad.step) == 6 and int(m["nonfinite"]) == 1
+    inf = guarded_update(bad, {"w": jnp.full(3, np.inf)}, {"loss": jnp.float32(1.0)}, opt)
+    assert int(inf.nonfinite) == 2 and np.isfinite(np.asarray(inf.params["w"])).all()

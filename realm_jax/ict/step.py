@@ -17,7 +17,7 @@ from realm_jax.model.bert import ModelConfig
 from realm_jax.model.inputs import dropout_kwargs
 from realm_jax.model.realm import RetrieverModel
 from realm_jax.train.optimizer import make_optimizer
-from realm_jax.train.state import create_sharded
+from realm_jax.train.state import create_sharded, guarded_update
 
 
 def ict_loss(params, batch, *, model: RetrieverModel, mesh, rng=None):
@@ -45,12 +45,7 @@ def ict_step(state, batch, *, model, optimizer, mesh, seed: int = 0):
     rng = jax.random.fold_in(jax.random.key(seed), state.step) if model.uses_dropout else None
     fn = functools.partial(ict_loss, model=model, mesh=mesh, rng=rng)
     (_, metrics), grads = jax.value_and_grad(fn, has_aux=True)(state.params, batch)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    new = state.replace(
-        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
-    )
-    return new, metrics
+    return guarded_update(state, grads, metrics, optimizer), metrics
 
 
 def create_state(config, mesh, rng, params_hook=None):

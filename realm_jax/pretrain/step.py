@@ -29,7 +29,7 @@ from realm_jax.ops import mips
 from realm_jax.ops.fused_softmax import fused_marginal_loss
 from realm_jax.pretrain import losses
 from realm_jax.train.optimizer import make_optimizer
-from realm_jax.train.state import TrainState, create_sharded
+from realm_jax.train.state import TrainState, create_sharded, guarded_update
 
 
 def check_lengths(config, model: RealmModel) -> None:
@@ -237,14 +237,12 @@ def train_step(
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params, batch, index_emb, index_tokens
     )
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    new_state = guarded_update(state, grads, metrics, optimizer)
     metrics.pop("retrieved_ids")
-    metrics["grad_norm"] = optax.tree.norm(grads)
     for name in grads:
         metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     metrics["staleness"] = state.step - index_step
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return new_state, metrics
 
 
 def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, num_valid: int):

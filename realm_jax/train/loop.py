@@ -24,6 +24,10 @@ from realm_jax.train.metrics import MetricWriter, Progress, line
 log = logging.getLogger("realm_jax.train")
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. non-finite steps); the message says why and what is kept."""
+
+
 @dataclasses.dataclass
 class Task:
     """What a task gives the loop.
@@ -90,6 +94,23 @@ class StopSignal:
         return flag
 
 
+def _check_finite(values: dict, step: int, limit: int, mgr) -> None:
+    """Stop past `limit` non-finite steps in a row (counted on device; skipped steps changed
+    nothing). Raises before any save, so the newest checkpoint stays the last good one."""
+    streak = int(values.get("nonfinite", 0))
+    if streak == 0:
+        return
+    bad = [k for k in ("loss", "grad_norm") if not np.isfinite(values.get(k, 0.0))]
+    log.warning("step %d: %s not finite (%d steps in a row; skipped)", step, bad, streak)
+    if streak > limit:
+        raise TrainingStopped(
+            f"step {step}: {' and '.join(bad) or 'loss/grad_norm'} not finite for {streak} "
+            f"steps in a row (train.max_nonfinite = {limit}); those updates were not applied "
+            f"and nothing was saved: the newest checkpoint ({mgr.latest_step()}) is the last "
+            "good one. Lower train.lr or check the data, then resume."
+        )
+
+
 def _console(prefix: str, step: int, total: int, values: dict, keys, prog: dict) -> str:
     shown = {k: values[k] for k in keys if k in values}
     return prefix + line(step, total, shown, prog)
@@ -145,8 +166,12 @@ def run(
             batch = sharding.global_batch(next(it), mesh)
             state, metrics = task.step(state, batch)
             step += 1
-            if step % tc.log_every == 0 or step == tc.steps:
+            at_log = step % tc.log_every == 0 or step == tc.steps
+            at_save = step % tc.checkpoint_every == 0 or step == tc.steps
+            if at_log or at_save:  # the host reads the metrics only here
                 last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                _check_finite(last, step, tc.max_nonfinite, mgr)
+            if at_log:
                 last.update(extra)
                 last["step"], extra = step, {}
                 prog = progress.update(step)
@@ -154,7 +179,7 @@ def run(
                 history.append(last)
                 if jax.process_index() == 0:
                     print(_console("", step, tc.steps, last, task.console_keys, prog), flush=True)
-            if step % tc.checkpoint_every == 0 or step == tc.steps:
+            if at_save:
                 checkpoint.save(mgr, step, state, save_args(it))
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps):
                 evaluate(step)

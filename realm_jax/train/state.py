@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import linen as nn
 from flax import struct
 from jax.sharding import Mesh
@@ -18,6 +20,29 @@ class TrainState(struct.PyTreeNode):
     step: jax.Array
     params: Any
     opt_state: Any
+    nonfinite: jax.Array  # steps in a row whose loss or gradient norm was not finite
+
+
+def guarded_update(state: TrainState, grads, metrics: dict, optimizer) -> TrainState:
+    """Apply the optimizer unless the loss or the gradient norm is not finite, decided on
+    device (no host sync): a skipped step leaves params and optimizer state as they were and
+    counts in `nonfinite`; the loop stops the run past train.max_nonfinite in a row. The
+    step counter advances either way, as the data iterator does. Adds grad_norm and
+    nonfinite to metrics."""
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+    metrics["grad_norm"] = grad_norm
+    nonfinite = jnp.where(ok, 0, state.nonfinite + 1)
+    metrics["nonfinite"] = nonfinite
+    return TrainState(
+        step=state.step + 1,
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        nonfinite=nonfinite,
+    )
 
 
 def create_sharded(
@@ -37,7 +62,10 @@ def create_sharded(
     def init(rng):
         params = init_params(rng)
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            nonfinite=jnp.zeros((), jnp.int32),
         )
 
     shardings = sharding.logical_shardings(mesh, jax.eval_shape(init, rng))
