@@ -109,7 +109,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ict", required=True, help="the ICT workdir")
     p.add_argument("--realm", required=True, help="the REALM workdir")
-    p.add_argument("--timings", default="", help="a line on wall/CPU time to include")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="LABEL=WORKDIR",
+        help="another REALM run to tabulate (e.g. share_embedders=true=runs/squad-shared)",
+    )
+    p.add_argument("--timings", default="", help="a paragraph on wall/CPU time to include")
     args = p.parse_args(argv)
     ict, realm = read_scalars(args.ict), read_scalars(args.realm)
     png = os.path.join(DOCS, "learning_curves.png")
@@ -142,9 +149,18 @@ def main(argv=None) -> int:
         "",
         "## REALM pre-training: held-out sentences (whole articles never trained on)",
         "",
+        "Retrieval is evaluated against an index embedded at the step shown (the in-process",
+        "refresh runs before each evaluation). `accuracy` counts masked wordpieces predicted",
+        "by the marginal over the 8 candidates; `accuracy (null doc only)` is the same reader",
+        "reading only the null document.",
+        "",
         *_table(realm, REALM_TAGS),
         "",
     ]
+    for item in args.compare:
+        label, _, path = item.rpartition("=")
+        lines += [f"### The same recipe with {label}", "", *_table(read_scalars(path), REALM_TAGS)]
+        lines.append("")
     with open(os.path.join(DOCS, "results.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -483,3 +483,48 @@ def test_bfloat16_compute_tracks_float32():
     qa = f32.apply({"params": params}, *t, method=RealmModel.embed_query)
     qb = bf16.apply({"params": params}, *t, method=RealmModel.embed_query)
     np.testing.assert_allclose(np.asarray(qb), np.asarray(qa), atol=0.15)
+
+
+def test_held_out_evaluation_against_numpy(setup):
+    """RealmEvaluator: the null-only accuracy from the reader's own logits on the null input,
+    and the same-title fractions from a numpy brute-force top-k over the index."""
+    from realm_jax.model.realm import tied_decoder_logits
+    from realm_jax.pretrain.evaluation import RealmEvaluator
+
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
+    titles = [f"t{i % 5}" for i in range(len(emb))]
+
+    class Feed:  # the trainer's index, as IndexFeed holds it
+        num_blocks, step = len(emb), 0
+
+    Feed.emb, Feed.tokens = index
+    got = RealmEvaluator(config, mesh, model, Feed, [batch], titles)(state, 0)
+
+    params = jax.device_get(state.params)
+    q = batch["query_ids"]
+    ids, segs, mask = (np.asarray(x) for x in inputs.null_reader_input(jnp.asarray(q)))
+    feats, table, bias = model.apply(
+        {"params": params}, ids, segs, mask, batch["mlm_positions"], method="mlm_features"
+    )
+    pred = np.asarray(tied_decoder_logits(feats, table, bias)).argmax(-1)
+    w = batch["mlm_weights"]
+    want_null = ((pred == batch["mlm_targets"]) * w).sum() / w.sum()
+    np.testing.assert_allclose(got["null_only_accuracy"], want_null, rtol=1e-6)
+
+    q_emb = np.asarray(
+        model.apply({"params": params}, q, np.zeros_like(q), (q != 0) * 1, method="embed_query")
+    )
+    scores = q_emb.astype(np.float64) @ emb.T.astype(np.float64)
+    own = batch["block_id"]
+    for b, o in enumerate(own):
+        if o >= 0:
+            scores[b, o] = -np.inf
+    top = np.argsort(-scores, axis=1)[:, : config.train.num_candidates - 1]
+    t = np.asarray(titles)
+    ok = own >= 0
+    want_same = (t[top[ok]] == t[own[ok]][:, None]).mean(1).mean()
+    np.testing.assert_allclose(got["same_title_fraction"], want_same, rtol=1e-6)
+    counts = np.array([titles.count(t[o]) for o in own[ok]])
+    np.testing.assert_allclose(got["same_title_random"], ((counts - 1) / (len(t) - 1)).mean())
+    assert got["examples"] == len(q) and 0 <= got["null_doc_prob"] <= 1

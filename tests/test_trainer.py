@@ -359,3 +359,19 @@ def test_guarded_update_skips_a_non_finite_step():
     assert int(bad.nonfinite) == 1 and int(bad.step) == 6 and int(m["nonfinite"]) == 1
     inf = guarded_update(bad, {"w": jnp.full(3, np.inf)}, {"loss": jnp.float32(1.0)}, opt)
     assert int(inf.nonfinite) == 2 and np.isfinite(np.asarray(inf.params["w"])).all()
+
+
+def test_embedder_lr_scale_scales_only_the_embedders_steps():
+    """With plain SGD the scaled step is exactly factor x the unscaled one, for the
+    embedders only (train.embedder_lr_scale)."""
+    import optax
+
+    from realm_jax.train.optimizer import scale_networks
+
+    params = {n: {"w": jnp.ones(3)} for n in ("query_embedder", "doc_embedder", "reader")}
+    grads = jax.tree.map(lambda x: 2 * x, params)
+    opt = optax.chain(optax.sgd(0.5), scale_networks(0.1))
+    updates, _ = opt.update(grads, opt.init(params), params)
+    np.testing.assert_allclose(updates["query_embedder"]["w"], -0.1)  # -0.5 * 2 * 0.1
+    np.testing.assert_allclose(updates["doc_embedder"]["w"], -0.1)
+    np.testing.assert_allclose(updates["reader"]["w"], -1.0)

@@ -80,27 +80,14 @@ class IctPair(grain.transforms.RandomMap):
 
 def train_loader(config, data_dir: str, train_ids: np.ndarray) -> grain.DataLoader:
     """This process's batches of ICT pairs: query_ids [b, query_len], block_ids [b, block_len]."""
-    d, tc = config.data, config.train
-    source = BlockSubset(prepare_lib.blocks_source(data_dir), train_ids)
-    b = pipeline.local_batch_size(tc.batch_size)
-    if len(source) < tc.batch_size:
-        raise ValueError(
-            f"{data_dir}: {len(source)} training blocks cannot fill one ICT batch of "
-            f"{tc.batch_size}"
-        )
-    sampler = grain.samplers.IndexSampler(
-        num_records=len(source),
-        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
-        shuffle=True,
-        num_epochs=None,
-        seed=d.seed,
-    )
-    ops = [
+    d = config.data
+    return pipeline.shuffled_batches(
+        BlockSubset(prepare_lib.blocks_source(data_dir), train_ids),
         IctPair(d.query_len, d.block_len, config.ict.mask_rate),
-        grain.transforms.Batch(batch_size=b, drop_remainder=True),
-    ]
-    return grain.DataLoader(
-        data_source=source, sampler=sampler, operations=ops, worker_count=d.worker_count
+        what=f"training blocks in {data_dir}",
+        global_batch_size=config.train.batch_size,
+        seed=d.seed,
+        worker_count=d.worker_count,
     )
 
 

@@ -70,22 +70,23 @@ def local_batch_size(global_batch_size: int) -> int:
     return global_batch_size // n
 
 
-def train_loader(
-    config, data_dir: str, *, global_batch_size: int, seed: int, num_epochs: int | None = None
+def shuffled_batches(
+    source,
+    transform,
+    *,
+    what: str,
+    global_batch_size: int,
+    seed: int,
+    num_epochs=None,
+    worker_count: int = 0,
 ) -> grain.DataLoader:
-    """A grain DataLoader of this process's share of batches (drop_remainder).
-
-    Batch: query_ids [b, query_len] int32, mlm_positions / mlm_targets [b, max_predictions]
-    int32, mlm_weights [b, max_predictions] float32, block_id [b] int32;
-    b = global_batch_size / jax.process_count().
-    """
-    data = config.data
-    source = prepare_lib.examples_source(data_dir)
+    """A grain DataLoader of this process's share of `source` (ShardByJaxProcess), shuffled
+    by `seed` epoch after epoch, each record through `transform` (a grain Map/RandomMap),
+    batched to global_batch_size / jax.process_count() with drop_remainder. `what` names
+    the records in the error for a source that cannot fill a batch."""
     b = local_batch_size(global_batch_size)
     if len(source) // jax.process_count() < b:
-        raise ValueError(
-            f"{data_dir}: {len(source)} examples cannot fill one batch of {b} per process"
-        )
+        raise ValueError(f"{len(source)} {what} cannot fill one batch of {b} per process")
     sampler = grain.samplers.IndexSampler(
         num_records=len(source),
         shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
@@ -93,12 +94,30 @@ def train_loader(
         num_epochs=num_epochs,
         seed=seed,
     )
-    ops = [
-        MaskSpan(data.query_len, data.max_predictions),  # [b, ...] after Batch
-        grain.transforms.Batch(batch_size=b, drop_remainder=True),
-    ]
+    ops = [transform, grain.transforms.Batch(batch_size=b, drop_remainder=True)]
     return grain.DataLoader(
-        data_source=source, sampler=sampler, operations=ops, worker_count=data.worker_count
+        data_source=source, sampler=sampler, operations=ops, worker_count=worker_count
+    )
+
+
+def train_loader(
+    config, data_dir: str, *, global_batch_size: int, seed: int, num_epochs: int | None = None
+) -> grain.DataLoader:
+    """A grain DataLoader of this process's share of masked-sentence batches.
+
+    Batch: query_ids [b, query_len] int32, mlm_positions / mlm_targets [b, max_predictions]
+    int32, mlm_weights [b, max_predictions] float32, block_id [b] int32;
+    b = global_batch_size / jax.process_count().
+    """
+    data = config.data
+    return shuffled_batches(
+        prepare_lib.examples_source(data_dir),
+        MaskSpan(data.query_len, data.max_predictions),
+        what=f"examples in {data_dir}",
+        global_batch_size=global_batch_size,
+        seed=seed,
+        num_epochs=num_epochs,
+        worker_count=data.worker_count,
     )
 
 

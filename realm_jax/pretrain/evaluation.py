@@ -46,7 +46,7 @@ def eval_metrics(
     vocab_chunk,
 ):
     """Metrics of one held-out batch (no dropout) + the retrieved ids [B, K-1]."""
-    _, relevance, cands, ids = train_step.retrieve(
+    relevance, features, table, bias, ids = train_step.retrieve_and_read(
         params,
         batch,
         index_emb,
@@ -55,10 +55,8 @@ def eval_metrics(
         mesh=mesh,
         num_candidates=num_candidates,
         num_valid=num_valid,
-    )
-    features, table, bias = train_step.read_candidates(
-        model, params, batch["query_ids"], cands, batch["mlm_positions"], length
-    )  # [B, K, P, H]
+        length=length,
+    )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     _, metrics = fused_marginal_loss(
         relevance, features, table, bias, targets, weights, chunk=vocab_chunk

@@ -160,6 +160,38 @@ def read_candidates(model: RealmModel, params, query_ids, cands, positions, leng
     return jnp.concatenate([null[:, None], hits], axis=1), table, bias
 
 
+def retrieve_and_read(
+    params,
+    batch,
+    index_emb,
+    index_tokens,
+    *,
+    model: RealmModel,
+    mesh: Mesh,
+    num_candidates: int,
+    num_valid: int,
+    length: int,
+    rng=None,
+):
+    """`retrieve` then `read_candidates`: (relevance [B, K], features [B, K, P, H], word
+    embeddings [V, H], decoder bias [V], retrieved ids [B, K-1])."""
+    _, relevance, cands, ids = retrieve(
+        params,
+        batch,
+        index_emb,
+        index_tokens,
+        model=model,
+        mesh=mesh,
+        num_candidates=num_candidates,
+        num_valid=num_valid,
+        rng=rng,
+    )
+    features, table, bias = read_candidates(
+        model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
+    )
+    return relevance, features, table, bias, ids
+
+
 def realm_loss(
     params,
     batch,
@@ -178,7 +210,7 @@ def realm_loss(
 
     vocab_chunk: vocabulary rows per step of the fused MLM softmax (fused_marginal_loss;
     0 = the whole vocabulary at once; -1 = materialise the logits, losses.marginal_loss)."""
-    _, relevance, cands, ids = retrieve(
+    relevance, features, table, bias, ids = retrieve_and_read(
         params,
         batch,
         index_emb,
@@ -187,10 +219,8 @@ def realm_loss(
         mesh=mesh,
         num_candidates=num_candidates,
         num_valid=num_valid,
+        length=length,
         rng=rng,
-    )
-    features, table, bias = read_candidates(
-        model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)

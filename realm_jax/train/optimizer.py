@@ -36,8 +36,29 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+EMBEDDERS = ("query_embedder", "doc_embedder")
+
+
+def scale_networks(factor: float, names=EMBEDDERS) -> optax.GradientTransformation:
+    """Multiply the updates of the named top-level networks by `factor` (their learning rate
+    relative to the rest); other networks' updates pass through."""
+
+    def update(updates, state, params=None):
+        del params
+        return {
+            k: jax.tree.map(lambda u: u * factor, v) if k in names else v
+            for k, v in updates.items()
+        }, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """AdamW as in BERT, with global-norm clipping."""
+    """AdamW as in BERT, with global-norm clipping; the embedders' steps scaled by
+    train.embedder_lr_scale (1 = one learning rate for every network, as the release)."""
+    extra = []
+    if train_cfg.embedder_lr_scale != 1.0:
+        extra.append(scale_networks(train_cfg.embedder_lr_scale))
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(
@@ -48,4 +69,5 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
             weight_decay=train_cfg.weight_decay,
             mask=_decay_mask,
         ),
+        *extra,
     )
