@@ -12,6 +12,7 @@ import argparse
 import collections
 import glob
 import os
+import shlex
 import struct
 import sys
 
@@ -131,7 +132,19 @@ def main(argv=None) -> int:
         "python -m realm_jax prepare --config configs/realm.py:squad --workdir runs/squad",
         "python -m realm_jax ict     --config configs/ict.py:squad   --workdir runs/squad-ict",
         "python -m realm_jax train   --config configs/realm.py:squad --workdir runs/squad",
-        f"python bench/learning_report.py --ict {args.ict} --realm {args.realm}",
+        *(
+            [
+                "# a comparison run: the same train command with another workdir and overrides,",
+                "# e.g. --workdir runs/squad-onelr --config.train.embedder_lr_scale=1",
+            ]
+            if args.compare
+            else []
+        ),
+        "python bench/learning_report.py --ict "
+        + shlex.quote(args.ict)
+        + " --realm "
+        + shlex.quote(args.realm)
+        + "".join(f" --compare {shlex.quote(c)}" for c in args.compare),
         "```",
         "",
     ]

@@ -360,7 +360,8 @@ def main() -> None:
     bern, hashed = dropout_masks()
     ratios.append(
         f"- one [32, 4, 175, 175] attention-dropout mask: threefry Bernoulli {bern * 1e3:.1f} ms, "
-        f"hashed mask (model.layers.dropout_keep) {hashed * 1e3:.1f} ms: {bern / hashed:.0f}x faster"
+        f"hashed mask (model.layers.dropout_keep) {hashed * 1e3:.1f} ms: "
+        f"{bern / hashed:.0f}x faster"
     )
     print("\n".join(ratios))
     breakdown = []
