@@ -375,3 +375,97 @@ def test_embedder_lr_scale_scales_only_the_embedders_steps():
     np.testing.assert_allclose(updates["query_embedder"]["w"], -0.1)  # -0.5 * 2 * 0.1
     np.testing.assert_allclose(updates["doc_embedder"]["w"], -0.1)
     np.testing.assert_allclose(updates["reader"]["w"], -1.0)
+
+
+def test_refresher_never_publishes_non_finite_embeddings(data_dir, tmp_path, caplog):
+    cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
+    workdir = str(tmp_path)
+    mesh = sharding.make_mesh(cfg.mesh)
+    _, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    state = state.replace(params=jax.tree.map(lambda p: p * np.nan, state.params))
+    mgr = checkpoint.manager(workdir, with_data=False)
+    checkpoint.save(mgr, 3, state)
+    mgr.wait_until_finished()
+    refresher = Refresher(cfg, workdir, prepared.load_blocks(data_dir)[0])
+    with caplog.at_level("ERROR"):
+        assert refresher.refresh_once(mgr, 3) == ""
+    assert store.list_versions(paths.index_dir(workdir)) == []
+    assert "checkpoint 3" in caplog.text and "non-finite" in caplog.text
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(name))
+    return out
+
+
+def test_local_refresher_dies_with_a_killed_parent(data_dir, tmp_path):
+    """kill -9 of `local` leaves no refresher behind (parent-death signal)."""
+    cmd = [
+        *(sys.executable, "-m", "realm_jax", "local", "--workdir", str(tmp_path)),
+        *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
+        *[f"--config.{o}" for o in OVERRIDES],
+        f"--config.data.data_dir={data_dir}",
+        "--config.refresh.mode=external",
+        "--config.train.steps=1000",
+    ]
+    with open(tmp_path / "local.log", "wb") as log:
+        parent = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    kids = []
+    while time.time() < deadline and not kids:
+        kids = _children(parent.pid)
+        time.sleep(0.2)
+    assert kids, "the refresher never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
+        for k in kids:  # reap if it became ours (it is reparented to init otherwise)
+            try:
+                os.waitpid(k, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.2)
+    alive = [k for k in kids if os.path.exists(f"/proc/{k}")]
+    for k in alive:
+        os.kill(k, signal.SIGKILL)
+    assert not alive, f"refresher {alive} outlived its killed parent"
+
+
+def test_local_stops_when_its_refresher_dies(data_dir, tmp_path):
+    """The refresher's death stops `local` (non-zero, naming the cause) instead of training
+    on a frozen index."""
+    cmd = [
+        *(sys.executable, "-m", "realm_jax", "local", "--workdir", str(tmp_path)),
+        *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
+        *[f"--config.{o}" for o in OVERRIDES],
+        f"--config.data.data_dir={data_dir}",
+        "--config.refresh.mode=external",
+        "--config.train.steps=100000",
+    ]
+    parent = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.time() + 120
+    kids = []
+    while time.time() < deadline and not kids:
+        kids = _children(parent.pid)
+        time.sleep(0.2)
+    assert kids, "the refresher never started"
+    time.sleep(2)
+    os.kill(kids[0], signal.SIGKILL)
+    try:
+        out, _ = parent.communicate(timeout=180)
+    finally:
+        parent.kill()
+    assert parent.returncode != 0
+    assert "the refresh job" in out and "exited with code -9" in out

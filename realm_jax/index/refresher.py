@@ -68,6 +68,17 @@ class Refresher:
         emb = self.embed({self.name: params}, self.tokens)
         host = _host_embeddings(emb, self.num_blocks)
         t_embed = time.time() - t0 - t_restore
+        if not np.isfinite(host).all():
+            bad = int((~np.isfinite(host).all(axis=1)).sum())
+            log.error(
+                "refresh: checkpoint %d (%s) gives non-finite embeddings for %d of %d blocks: "
+                "not published; the trainer keeps its current index",
+                step,
+                os.path.join(paths.checkpoint_dir(self.workdir), str(step)),
+                bad,
+                self.num_blocks,
+            )
+            return ""
         if jax.process_index() != 0:
             return ""
         searcher = build_searcher(self.config, host) if self.config.refresh.build_scann else None

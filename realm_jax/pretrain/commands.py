@@ -135,18 +135,29 @@ def _passthrough_args(args) -> list[str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when its parent dies, even by kill -9 (Linux
+    prctl PR_SET_PDEATHSIG), so no orphaned refresher keeps publishing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's finally block still stops it on a normal exit
+
+
 def local(config, args) -> int:
     """`realm-jax local`: the trainer in this process, the refresher as a child process;
     both stop together."""
     child = None
     if config.refresh.mode == "external":
         cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]
-        child = subprocess.Popen(cmd)
+        child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
         log.info("local: started refresher (pid %d)", child.pid)
 
     def refresher_alive() -> None:
         if child is not None and child.poll() is not None:
-            raise RuntimeError(
+            raise loop.TrainingStopped(
                 f"the refresh job (pid {child.pid}) exited with code {child.returncode}: the "
                 "index would go stale; stopping (its log is above). The last checkpoint is kept."
             )
