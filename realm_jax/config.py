@@ -41,7 +41,10 @@ def load_config(
     """Load a config from 'path.py[:variant]' and apply 'a.b=value' overrides."""
     path, arg = split_spec(spec)
     module = _load_module(path)
-    config = module.get_config(arg) if arg is not None else module.get_config(None)
+    try:
+        config = module.get_config(arg)
+    except (ValueError, KeyError) as e:  # an unknown variant, as the config file words it
+        raise ConfigError(f"{spec}: {e}") from e
     config.lock()
     for item in overrides:
         apply_override(config, item)
