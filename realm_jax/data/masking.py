@@ -50,10 +50,10 @@ def split_sentences(texts: Iterable[str], batch_size: int = 256) -> list[list[tu
     """Char spans (start, end) of the sentences of each text, whitespace trimmed."""
     out = []
     for doc in sentencizer().pipe(texts, batch_size=batch_size):
-        spans = []
+        spans, text = [], doc.text  # spaCy rebuilds doc.text on every access: read it once
         for s in doc.sents:
             a, b = s.start_char, s.end_char
-            while b > a and doc.text[b - 1].isspace():
+            while b > a and text[b - 1].isspace():
                 b -= 1
             if b > a:
                 spans.append((a, b))

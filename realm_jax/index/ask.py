@@ -30,6 +30,10 @@ def _query_params(config, workdir: str, mesh):
 
 def ask(config, workdir: str, question: str, top_k: int = 5):
     """[(title, text, score)] of the top_k blocks for a question or masked sentence."""
+    if top_k < 1:
+        raise ValueError(f"--top_k must be at least 1, got {top_k}")
+    ddir = paths.data_dir(config, workdir)
+    top_k = min(top_k, prepared.load_summary(ddir)["counts"]["blocks"])  # never pad rows
     found = store.latest_valid(paths.index_dir(workdir))
     if found is None:
         raise FileNotFoundError(
@@ -58,7 +62,6 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
         s = q @ emb.T
         hits = np.argsort(-s, axis=1)[:, :top_k]
         scores = np.take_along_axis(s, hits, axis=1)
-    ddir = paths.data_dir(config, workdir)
     return [(*prepared.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
 
 
