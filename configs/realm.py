@@ -44,8 +44,9 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     m.max_span_width = 10  # longest answer span in wordpieces (fine-tuning only)
     m.reader_layer_norm_eps = 1e-3  # LayerNorm epsilon in the span head
     # The release's flag defaults to one shared embedder (train_realm.py share_embedders=True);
-    # the paper writes Embed_input and Embed_doc apart, and so do we by default: see
-    # docs/results.md for the squad recipe run both ways.
+    # the paper writes Embed_input and Embed_doc apart, and so do we by default. The squad
+    # recipe run both ways (docs/results.md, step 400, held out): separate 0.257 retrieval
+    # utility, 15.7% same-title hits; shared 0.217 and 20.2%. Neither wins outright yet.
     m.share_embedders = False  # one network embeds queries and documents
     m.dtype = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     m.remat = False  # rematerialise each layer in the backward pass (saves activation memory)
