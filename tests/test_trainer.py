@@ -407,24 +407,30 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_local_refresher_dies_with_a_killed_parent(data_dir, tmp_path):
-    """kill -9 of `local` leaves no refresher behind (parent-death signal)."""
+def _local(data_dir, workdir, **popen_kw) -> tuple[subprocess.Popen, list[int]]:
+    """`local` in the background (external refresher, a long run) and its refresher's pid."""
     cmd = [
-        *(sys.executable, "-m", "realm_jax", "local", "--workdir", str(tmp_path)),
+        *(sys.executable, "-m", "realm_jax", "local", "--workdir", str(workdir)),
         *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
         *[f"--config.{o}" for o in OVERRIDES],
         f"--config.data.data_dir={data_dir}",
         "--config.refresh.mode=external",
-        "--config.train.steps=1000",
+        "--config.train.steps=100000",
     ]
-    with open(tmp_path / "local.log", "wb") as log:
-        parent = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    parent = subprocess.Popen(cmd, cwd=REPO, **popen_kw)
     deadline = time.time() + 120
     kids = []
     while time.time() < deadline and not kids:
         kids = _children(parent.pid)
         time.sleep(0.2)
     assert kids, "the refresher never started"
+    return parent, kids
+
+
+def test_local_refresher_dies_with_a_killed_parent(data_dir, tmp_path):
+    """kill -9 of `local` leaves no refresher behind (parent-death signal)."""
+    with open(tmp_path / "local.log", "wb") as log:
+        parent, kids = _local(data_dir, tmp_path, stdout=log, stderr=subprocess.STDOUT)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.time() + 60
@@ -444,23 +450,9 @@ def test_local_refresher_dies_with_a_killed_parent(data_dir, tmp_path):
 def test_local_stops_when_its_refresher_dies(data_dir, tmp_path):
     """The refresher's death stops `local` (non-zero, naming the cause) instead of training
     on a frozen index."""
-    cmd = [
-        *(sys.executable, "-m", "realm_jax", "local", "--workdir", str(tmp_path)),
-        *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
-        *[f"--config.{o}" for o in OVERRIDES],
-        f"--config.data.data_dir={data_dir}",
-        "--config.refresh.mode=external",
-        "--config.train.steps=100000",
-    ]
-    parent = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    parent, kids = _local(
+        data_dir, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    deadline = time.time() + 120
-    kids = []
-    while time.time() < deadline and not kids:
-        kids = _children(parent.pid)
-        time.sleep(0.2)
-    assert kids, "the refresher never started"
     time.sleep(2)
     os.kill(kids[0], signal.SIGKILL)
     try:
