@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from realm_jax import sharding
 from realm_jax.data import ict as ict_data
 from realm_jax.data import prepared
 from realm_jax.index.bm25 import BM25Retriever, recall_at_k
-from realm_jax.index.corpus import embed_blocks_fn, pad_index
+from realm_jax.index.corpus import embed_blocks_fn, embed_query_tokens, pad_index
 
 log = logging.getLogger("realm_jax.ict")
 
@@ -44,15 +44,7 @@ class IctEvaluator:
         _, tok = pad_index(None, tokens, mesh)
         self.tokens = sharding.put_rows(tok, mesh)
         self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
-        self.embed_q = jax.jit(
-            lambda p, q: model.apply(
-                {"params": p},
-                q,
-                jnp.zeros_like(q),
-                (q != 0).astype(jnp.int32),
-                method="embed_query",
-            )
-        )
+        self.embed_q = jax.jit(functools.partial(embed_query_tokens, model))
         self.baseline = self._bm25(texts, sentences) if config.ict.bm25_baseline else {}
 
     def _bm25(self, texts: list[str], sentences: list[str]) -> dict[str, float]:

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import optax
 
 from realm_jax import sharding
-from realm_jax.index.corpus import embed_block_tokens
+from realm_jax.index.corpus import embed_block_tokens, embed_query_tokens
 from realm_jax.model.bert import ModelConfig
-from realm_jax.model.inputs import dropout_kwargs
+from realm_jax.model.inputs import check_fits, dummy_input
 from realm_jax.model.realm import RetrieverModel
 from realm_jax.train.optimizer import make_optimizer
 from realm_jax.train.state import create_sharded, guarded_update
@@ -23,15 +23,7 @@ from realm_jax.train.state import create_sharded, guarded_update
 def ict_loss(params, batch, *, model: RetrieverModel, mesh, rng=None):
     """ICT loss and metrics for a global batch: query_ids [B, Lq], block_ids [B, Lb]."""
     q_ids, b_ids = batch["query_ids"], batch["block_ids"]
-    drop = dropout_kwargs
-    q = model.apply(
-        {"params": params},
-        q_ids,
-        jnp.zeros_like(q_ids),
-        (q_ids != 0).astype(jnp.int32),
-        method="embed_query",
-        **drop(rng, 0),
-    )  # [B, D]
+    q = embed_query_tokens(model, params, q_ids, rng)  # [B, D]
     b = embed_block_tokens(model, params, b_ids, rng)  # [B, D]
     b = jax.lax.with_sharding_constraint(b, sharding.replicated(mesh))  # all blocks everywhere
     logits = jnp.einsum("qd,bd->qb", q, b)  # [B, B]: every other block is a negative
@@ -52,22 +44,14 @@ def create_state(config, mesh, rng, params_hook=None):
     """(model, optimizer, state, shardings) of the two embedders, created sharded."""
     ecfg = ModelConfig.from_config(config.model, "embedder")
     d = config.data
-    for name, length in (("data.query_len", d.query_len), ("data.block_len", d.block_len)):
-        if length > ecfg.max_position_embeddings:
-            raise ValueError(
-                f"{name} = {length} exceeds model.embedder.max_position_embeddings = "
-                f"{ecfg.max_position_embeddings}"
-            )
+    check_fits("data.query_len", d.query_len, ecfg, "embedder")
+    check_fits("data.block_len", d.block_len, ecfg, "embedder")
     model = RetrieverModel(ecfg)
     optimizer = make_optimizer(config.train)
 
-    def t(length):
-        ids = jnp.ones((1, length), jnp.int32)
-        return ids, jnp.zeros_like(ids), ids
-
     state, shardings = create_sharded(
         mesh,
-        lambda r: model.init(r, t(d.query_len), t(d.block_len))["params"],
+        lambda r: model.init(r, dummy_input(d.query_len), dummy_input(d.block_len))["params"],
         optimizer,
         rng,
         params_hook,

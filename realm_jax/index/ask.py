@@ -15,7 +15,7 @@ from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
 from realm_jax.data import prepared
 from realm_jax.index import store
-from realm_jax.index.corpus import abstract_params
+from realm_jax.index.corpus import abstract_params, embed_query_tokens
 from realm_jax.tokenization import encode_query
 
 
@@ -43,15 +43,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
     model, params = _query_params(config, workdir, mesh)
     ids = encode_query(question, config.data.query_len)[None]
-    q = np.asarray(
-        model.apply(
-            {"params": {"query_embedder": params}},
-            ids,
-            np.zeros_like(ids),
-            (ids != 0).astype(np.int32),
-            method="embed_query",
-        )
-    )
+    q = np.asarray(embed_query_tokens(model, {"query_embedder": params}, ids))
     scann_dir = os.path.join(path, "scann")
     if os.path.isdir(scann_dir):
         from realm_jax.index import scann as scann_index

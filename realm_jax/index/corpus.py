@@ -27,6 +27,19 @@ def embed_block_tokens(model, params, tokens, rng=None):
     )
 
 
+def embed_query_tokens(model, params, ids, rng=None):
+    """Query-embedder output for query token ids [B, Lq] ([CLS] x [SEP], zero-padded) ->
+    [B, D] (one segment, mask from the ids); dropout when an rng is given."""
+    return model.apply(
+        {"params": params},
+        ids,
+        jnp.zeros_like(ids),
+        (ids != 0).astype(jnp.int32),
+        method="embed_query",  # RealmModel's or RetrieverModel's
+        **dropout_kwargs(rng, 0),
+    )
+
+
 def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
     """A jitted function embedding every block of a row-sharded token table with live params.
 

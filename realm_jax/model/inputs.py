@@ -9,14 +9,26 @@ import jax.numpy as jnp
 from realm_jax.tokenization import CLS_ID, SEP_ID
 
 
+def dummy_input(length: int):
+    """A dummy (ids, segs, mask) of one row, for init/eval_shape."""
+    ids = jnp.ones((1, length), jnp.int32)
+    return ids, jnp.zeros_like(ids), ids
+
+
 def init_inputs(lq: int, lb: int, lj: int):
-    """Dummy (ids, segs, mask) tuples touching every network, for init/eval_shape."""
-
-    def t(length):
-        ids = jnp.ones((1, length), jnp.int32)
-        return ids, jnp.zeros_like(ids), ids
-
+    """Dummy inputs touching every network of RealmModel, for init/eval_shape."""
+    t = dummy_input
     return t(lq), t(lb), t(lj), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, lj), jnp.int32)
+
+
+def check_fits(what: str, length: int, cfg, part: str) -> None:
+    """An input of `length` must fit the network's position table: a clear error naming the
+    config fields, not an XLA shape error."""
+    if length > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{what} = {length} exceeds model.{part}.max_position_embeddings = "
+            f"{cfg.max_position_embeddings}"
+        )
 
 
 def joint_len(config) -> int:

@@ -14,10 +14,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import sharding
-from realm_jax.index.corpus import embed_block_tokens
+from realm_jax.index.corpus import embed_block_tokens, embed_query_tokens
 from realm_jax.model.inputs import (
     NULL_BLOCK,
     build_joint,
+    check_fits,
     dropout_kwargs,
     init_inputs,
     joint_len,
@@ -35,17 +36,10 @@ from realm_jax.train.state import TrainState, create_sharded, guarded_update
 def check_lengths(config, model: RealmModel) -> None:
     """Every input fits its network's position table (a clear error, not an XLA one)."""
     d = config.data
-    for name, length, cfg in (
-        ("reader input length data.query_len + data.block_len - 1", joint_len(config), model.cfg),
-        ("data.block_len", d.block_len, model.ecfg),
-        ("data.query_len", d.query_len, model.ecfg),
-    ):
-        if length > cfg.max_position_embeddings:
-            part = "reader" if cfg is model.cfg else "embedder"
-            raise ValueError(
-                f"{name} = {length} exceeds model.{part}.max_position_embeddings = "
-                f"{cfg.max_position_embeddings}"
-            )
+    what = "reader input length data.query_len + data.block_len - 1"
+    check_fits(what, joint_len(config), model.cfg, "reader")
+    check_fits("data.block_len", d.block_len, model.ecfg, "embedder")
+    check_fits("data.query_len", d.query_len, model.ecfg, "embedder")
 
 
 def create_state(config, mesh: Mesh, rng, params_hook=None):
@@ -89,14 +83,7 @@ def retrieve(
     retriever's gradient vanished for good.)
     """
     q_ids = batch["query_ids"]  # [B, Lq]
-    q_emb = model.apply(
-        {"params": params},
-        q_ids,
-        jnp.zeros_like(q_ids),
-        (q_ids != 0).astype(jnp.int32),
-        method=RealmModel.embed_query,
-        **dropout_kwargs(rng, 0),
-    )  # [B, D]
+    q_emb = embed_query_tokens(model, params, q_ids, rng)  # [B, D]
     k = num_candidates - 1
     _, ids, tokens = mips.search_and_fetch(
         mesh,

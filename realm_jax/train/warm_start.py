@@ -8,7 +8,6 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
 
@@ -16,6 +15,7 @@ from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
 from realm_jax.model import hf_import as weights
 from realm_jax.model.bert import ModelConfig
+from realm_jax.model.inputs import dummy_input
 from realm_jax.model.realm import RetrieverModel, doc_embedder_name
 
 log = logging.getLogger("realm_jax.train")
@@ -80,14 +80,12 @@ def restore_embedders(mgr, step: int, ecfg: ModelConfig) -> dict:
     mesh = sharding.make_mesh(one, devices=jax.devices()[:1])
     model = RetrieverModel(ecfg)
 
-    def t(length):
-        return (jnp.ones((1, length), jnp.int32),) * 3
-
-    boxed = jax.eval_shape(lambda r: model.init(r, t(8), t(8))["params"], jax.random.key(0))
+    t = dummy_input(8)  # parameter shapes do not depend on the input length
+    boxed = jax.eval_shape(lambda r: model.init(r, t, t)["params"], jax.random.key(0))
     shard = sharding.logical_shardings(mesh, boxed)
     out = {}
     for name in nn.meta.unbox(boxed):
         target = checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])
-        # position tables may differ in length: shapes come from the checkpoint's metadata
+        # shapes from this run's embedder config: it must match the ICT run's architecture
         out[name] = jax.device_get(checkpoint.restore_params_subtree(mgr, step, name, target))
     return out
