@@ -20,10 +20,10 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
 
 
-def write_section(name: str, body: str) -> None:
-    """Replace (or append) the section `## name` in docs/benchmarks.md."""
-    os.makedirs(os.path.dirname(DOC), exist_ok=True)
-    text = open(DOC).read() if os.path.exists(DOC) else HEADER
+def write_section(name: str, body: str, doc: str = DOC) -> None:
+    """Replace (or append) the section `## name` in docs/benchmarks.md (or `doc`)."""
+    os.makedirs(os.path.dirname(doc), exist_ok=True)
+    text = open(doc).read() if os.path.exists(doc) else HEADER
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     section = f"## {name}\n\n_Measured {stamp} on {machine()}._\n\n{body.strip()}\n\n"
     pattern = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.S | re.M)
@@ -31,6 +31,6 @@ def write_section(name: str, body: str) -> None:
         text = pattern.sub(lambda _: section, text)
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    with open(DOC, "w") as f:
+    with open(doc, "w") as f:
         f.write(text)
-    print(f"wrote section {name!r} to {DOC}")
+    print(f"wrote section {name!r} to {doc}")

@@ -174,8 +174,14 @@ def main(argv=None) -> int:
         label, _, path = item.rpartition("=")
         lines += [f"### The same recipe with {label}", "", *_table(read_scalars(path), REALM_TAGS)]
         lines.append("")
-    with open(os.path.join(DOCS, "results.md"), "w") as f:
-        f.write("\n".join(lines))
+    path = os.path.join(DOCS, "results.md")
+    kept = ""  # sections other scripts write (bench/squad_qa.py's QA results) stay
+    if os.path.exists(path):
+        old = open(path).read()
+        at = old.find("\n## Open-domain QA")
+        kept = old[at:] if at >= 0 else ""
+    with open(path, "w") as f:
+        f.write("\n".join(lines).rstrip("\n") + "\n" + kept)
     print("\n".join(lines))
     return 0
 

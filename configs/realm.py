@@ -53,6 +53,7 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     m.init_embedder_from = ""  # HF folder (RealmEmbedder / BertModel) for both embedders
     m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
     m.init_embedders_from_ict = ""  # ICT workdir (its newest checkpoint) or checkpoint folder
+    m.init_from_realm = ""  # REALM workdir: all three networks from its newest checkpoint
     m.update(kw)
     return m
 

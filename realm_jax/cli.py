@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
 COMMANDS = {
     "prepare": "build the TFDS block and pre-training datasets from raw text",
@@ -16,9 +18,9 @@ COMMANDS = {
     "refresh": "the index refresh job: re-embed the corpus from new checkpoints, publish",
     "local": "trainer + refresher together on one machine (Ctrl-C stops both)",
     "ict": "the Inverse Cloze Task warm start of the embedders (configs/ict.py)",
-    "finetune": "open-domain QA fine-tuning (not yet implemented)",
-    "evaluate": "exact-match evaluation (not yet implemented)",
-    "ask": "retrieve the top blocks for a question with the latest index (ScaNN)",
+    "finetune": "open-domain QA fine-tuning, ORQA style (configs/orqa.py)",
+    "evaluate": "open-domain QA: exact match and recall@k of a fine-tuned workdir",
+    "ask": "answer a question (QA workdir) or show its top blocks (pre-training workdir)",
 }
 
 # command -> "module:function" (imported only when run). `train` and `local` depend on the
@@ -29,14 +31,23 @@ ENTRY = {
     "ict": "realm_jax.ict.command:command",
     "finetune": "realm_jax.qa.commands:finetune",
     "evaluate": "realm_jax.qa.commands:evaluate",
-    "ask": "realm_jax.index.ask:command",
 }
 TASK_COMMANDS = {
     "realm": {
         "train": "realm_jax.pretrain.commands:train_command",
         "local": "realm_jax.pretrain.commands:local",
+        "ask": "realm_jax.index.ask:command",
     },
-    "ict": {"train": "realm_jax.ict.command:command", "local": "realm_jax.ict.command:command"},
+    "ict": {
+        "train": "realm_jax.ict.command:command",
+        "local": "realm_jax.ict.command:command",
+        "ask": "realm_jax.index.ask:command",
+    },
+    "qa": {
+        "train": "realm_jax.qa.commands:finetune",
+        "local": "realm_jax.qa.commands:finetune",
+        "ask": "realm_jax.qa.commands:ask",
+    },
 }
 
 
@@ -46,7 +57,9 @@ def entry_point(command: str, config) -> str:
         return ENTRY[command]
     task = config.task
     if task not in TASK_COMMANDS:
-        raise ValueError(f"config.task must be one of {sorted(TASK_COMMANDS)}, got {task!r}")
+        from realm_jax.config import ConfigError
+
+        raise ConfigError(f"task={task!r}: must be one of {', '.join(TASK_COMMANDS)}")
     return TASK_COMMANDS[task][command]
 
 
@@ -83,7 +96,12 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="call jax.distributed.initialize() with auto-detection (TPU pods)",
         )
-        s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        s.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="debug logging, and the traceback of an error",
+        )
         if name == "prepare":
             s.add_argument(
                 "--overwrite",
@@ -98,9 +116,109 @@ def _parser() -> argparse.ArgumentParser:
                 help="exit after publishing this many index versions",
             )
         if name == "ask":
-            s.add_argument("question", nargs="+", help="the question or masked sentence")
+            s.add_argument(
+                "question",
+                nargs="*",
+                help="the question or masked sentence (QA configs: none = interactive)",
+            )
             s.add_argument("--top_k", type=int, default=5, help="blocks to show")
+        if name in ("ask", "evaluate"):
+            s.add_argument(
+                "--retriever",
+                choices=("dense", "bm25"),
+                default="dense",
+                help="QA: the fine-tuned retriever over the frozen index, or BM25 (bm25s) "
+                "over the same blocks; the same reader reads either",
+            )
+        if name == "evaluate":
+            s.add_argument(
+                "--questions",
+                default="",
+                help="question file (default: the config's qa.dev_file split): NQ-open "
+                "JSONL {question, answer}, SQuAD-style JSONL {question, answers[, title]}, "
+                "WebQuestions JSON, CuratedTREC TSV (regex answers)",
+            )
+            s.add_argument(
+                "--format",
+                default="auto",
+                choices=("auto", "nq", "squad", "webquestions", "curatedtrec"),
+                help="question file format (auto: by extension and fields)",
+            )
+            s.add_argument("--limit", type=int, default=0, help="score the first N (0 = all)")
+            s.add_argument(
+                "--predictions",
+                default="",
+                help="score this predictions JSONL ({question, prediction} per line, ORQA's "
+                "format) against the questions instead of running a model",
+            )
+            s.add_argument(
+                "--retrieval_only",
+                action="store_true",
+                help="recall@k of the retriever alone, no reader (BM25: no model needed)",
+            )
+            s.add_argument(
+                "--output",
+                default="",
+                help="path prefix of <prefix>.predictions.jsonl / .metrics.json "
+                "(default <workdir>/eval/<file>.<retriever>)",
+            )
+            s.add_argument(
+                "--checkpoint",
+                choices=("best", "latest"),
+                default="best",
+                help="the best dev checkpoint (kept by finetune) or the newest",
+            )
     return p
+
+
+# Errors a user causes and can fix (input, config, data, weights, workdir, mesh): every
+# command prints them as ONE line, `realm-jax <command>: error: <message>`, and exits
+# EXIT_USER_ERROR (-v/--verbose adds the traceback). Named "module:Class" and matched along the
+# exception's class hierarchy, so printing an error never imports a module (TFDS, JAX) that the
+# command had not loaded; an exception of a class defined in an unloaded module cannot occur.
+EXPECTED_ERRORS = (
+    "realm_jax.config:ConfigError",  # config file, variant, override or value
+    "realm_jax.lock:LockError",  # the workdir is held by another trainer/refresher
+    "realm_jax.data.corpus:CorpusError",  # malformed or missing corpus input (file:line)
+    "realm_jax.data.prepared:PrepareError",  # no/partial/old prepared data, nothing usable
+    "realm_jax.sharding:MeshError",  # a mesh that does not fit the devices or the batch
+    "realm_jax.model.hf_import:WeightImportError",  # a weights folder that cannot be imported
+    "realm_jax.model.bert:ModelConfigError",  # config.model that describes no valid network
+    "realm_jax.index.store:CorruptIndexError",  # a published index that fails its checks
+    "realm_jax.qa.answers:QAFormatError",  # a QA question file that cannot be read
+    "realm_jax.checkpoint:NoRestorableCheckpoint",  # every checkpoint of the workdir damaged
+)
+# ValueError and FileNotFoundError are expected too when realm_jax's own code raised them (its
+# validation: "--top_k must be at least 1", "no checkpoint in ..."); raised inside a library
+# they are a bug and keep their traceback.
+OWN_VALIDATION_ERRORS = (ValueError, FileNotFoundError)
+EXIT_USER_ERROR = 2  # an expected error (argparse's usage errors exit 2 too)
+EXIT_FAILURE = 1  # an unexpected exception (traceback) or a stopped run
+
+
+def _raised_by_realm_jax(error: BaseException) -> bool:
+    """Whether the innermost frame of the error's traceback is realm_jax code."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    tb, last = error.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
+        package
+    )
+
+
+def is_expected(error: BaseException) -> bool:
+    """An error to report as one line (exit 2) rather than as a traceback (exit 1)."""
+    names = {f"{c.__module__}:{c.__qualname__}" for c in type(error).__mro__}
+    if names.intersection(EXPECTED_ERRORS):
+        return True
+    return isinstance(error, OWN_VALIDATION_ERRORS) and _raised_by_realm_jax(error)
+
+
+def error_line(command: str, error: BaseException) -> str:
+    """`realm-jax <command>: error: <message>` on one line."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    return f"realm-jax {command}: error: {message}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,24 +229,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     if args.command is None:
         parser.print_help()
-        return 2
-    from realm_jax.config import ConfigError, load_config
-
+        return EXIT_USER_ERROR
     try:
-        config = load_config(args.config, [o[len("--config.") :] for o in overrides])
-    except ConfigError as e:
-        parser.exit(2, f"realm-jax: config error: {e}\n")
+        return _run(args, [o[len("--config.") :] for o in overrides])
+    except Exception as e:
+        if not is_expected(e):
+            raise  # the traceback, exit 1
+        if args.verbose:
+            traceback.print_exc()
+        print(error_line(args.command, e), file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _run(args, overrides: list[str]) -> int:
+    from realm_jax.config import load_config, validate
+
+    config = load_config(args.config, overrides)
+    validate(config)  # every value, before any work
+    module, function = entry_point(args.command, config).split(":")
     from realm_jax import runtime
 
     runtime.setup(args)
-    module, function = entry_point(args.command, config).split(":")
     from realm_jax.train.loop import TrainingStopped
 
     try:
         return getattr(importlib.import_module(module), function)(config, args) or 0
     except TrainingStopped as e:
         print(f"realm-jax {args.command}: stopped: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

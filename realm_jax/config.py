@@ -17,13 +17,33 @@ class ConfigError(ValueError):
     """A config file, variant or override that cannot be used."""
 
 
+def _where(error: BaseException, path: str) -> str:
+    """'path:line' of the deepest traceback frame in the config file `path` (else 'path')."""
+    line = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+    tb = error.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f"{path}:{line}" if line else path
+
+
 def _load_module(path: str):
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
+    if not path.endswith(".py"):
+        raise ConfigError(
+            f"{path} is not a Python config file (give a .py file defining get_config(variant), "
+            "such as configs/realm.py:smoke)"
+        )
     name = "realm_jax_config_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the config file's own code: say where (-v shows the traceback)
+        msg = e.msg if isinstance(e, SyntaxError) else str(e)
+        raise ConfigError(f"{_where(e, path)}: {type(e).__name__}: {msg}") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"{path} defines no get_config(arg)")
     return module
@@ -45,6 +65,10 @@ def load_config(
         config = module.get_config(arg)
     except (ValueError, KeyError) as e:  # an unknown variant, as the config file words it
         raise ConfigError(f"{spec}: {e}") from e
+    except Exception as e:  # the config file's own code
+        raise ConfigError(f"{_where(e, path)}: {type(e).__name__}: {e}") from e
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"{spec}: get_config returned {type(config).__name__}, not a ConfigDict")
     config.lock()
     for item in overrides:
         apply_override(config, item)
@@ -117,6 +141,19 @@ def _parse_tuple(raw: str) -> tuple | None:
     return tuple(items)
 
 
+def _suggestions(config: ml_collections.ConfigDict, key: str) -> list[str]:
+    """Up to 3 value keys close to a misspelt `key` ('train.lrr' -> train.lr), else those
+    with its last part ('lr' -> train.lr)."""
+    known = [
+        k for k in _all_keys(config) if not isinstance(_get(config, k), ml_collections.ConfigDict)
+    ]
+    last = key.rsplit(".", 1)[-1]
+    return (
+        difflib.get_close_matches(key, known, n=3)
+        or [k for k in known if k.rsplit(".", 1)[-1] == last][:3]
+    )
+
+
 def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
     """Apply one 'a.b=value' override; unknown keys raise a ConfigError naming the key."""
     if "=" not in item:
@@ -127,8 +164,7 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
     node = config
     for i, part in enumerate(parts):
         if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            known = _all_keys(config)
-            close = difflib.get_close_matches(key, known, n=3)
+            close = _suggestions(config, key)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}")
         if i < len(parts) - 1:
@@ -147,3 +183,156 @@ def default_config_path() -> str:
         if os.path.isfile(path):
             return path
     return os.path.join("configs", "realm.py")
+
+
+# ------------------------------------------------------------------------------- validation
+# Values every command can check before any work: (field, test, what is allowed). A field
+# absent from a config (another task's section) is not checked.
+MIN_BLOCK_LEN = 8  # [CLS] title [SEP] body [SEP]: a title keeps at most half of a block
+MIN_QUERY_LEN = 8  # [CLS] sentence [SEP], with room for a masked span
+CHOICES = {
+    "task": ("realm", "ict", "qa"),
+    "data.masking": ("salient", "random"),
+    "data.eval_split_key": ("title", "doc_id"),
+    "refresh.mode": ("external", "inprocess"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.embedder.hidden_act": ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    "model.reader.hidden_act": ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+}
+
+
+def _at_least(n):
+    return (lambda v: v >= n), f"at least {n}"
+
+
+RANGES = {
+    "data.block_len": _at_least(MIN_BLOCK_LEN),
+    "data.query_len": _at_least(MIN_QUERY_LEN),
+    "data.max_predictions": _at_least(1),
+    "data.min_sentence_tokens": _at_least(0),
+    "data.random_span_max": _at_least(1),
+    "data.worker_count": _at_least(0),
+    "data.ner_processes": _at_least(1),
+    "data.eval_fraction": ((lambda v: 0 <= v < 1), "in [0, 1)"),
+    "train.batch_size": _at_least(1),
+    "train.eval_batch_size": _at_least(1),
+    "train.steps": _at_least(1),
+    "train.lr": ((lambda v: v > 0), "positive"),
+    "train.warmup_steps": ((lambda v: v >= -1), "-1 (automatic) or at least 0"),
+    "train.embedder_lr_scale": _at_least(0),
+    "train.weight_decay": _at_least(0),
+    "train.grad_clip": ((lambda v: v > 0), "positive"),
+    "train.mlm_vocab_chunk": ((lambda v: v >= -1), "-1 (dense logits), 0 (all) or positive"),
+    "train.log_every": _at_least(1),
+    "train.checkpoint_every": _at_least(1),
+    "train.keep_checkpoints": _at_least(1),
+    "train.eval_every": ((lambda v: v >= 0), "0 (off) or positive"),
+    "train.eval_examples": ((lambda v: v >= 0), "0 (all) or positive"),
+    "train.max_nonfinite": _at_least(1),
+    "refresh.every": _at_least(1),
+    "refresh.check_every": _at_least(1),
+    "refresh.keep": _at_least(1),
+    "refresh.embed_batch_size": _at_least(1),
+    "refresh.poll_seconds": ((lambda v: v > 0), "positive"),
+    "refresh.wait_seconds": _at_least(0),
+    "ict.mask_rate": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
+}
+for _part in ("embedder", "reader"):
+    for _field in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+        RANGES[f"model.{_part}.{_field}"] = _at_least(1)
+    RANGES[f"model.{_part}.max_position_embeddings"] = _at_least(MIN_QUERY_LEN)
+    RANGES[f"model.{_part}.dropout"] = ((lambda v: 0 <= v < 1), "in [0, 1)")
+RANGES["model.proj_size"] = _at_least(1)
+
+
+_MISSING = object()
+
+
+def _get(config: ml_collections.ConfigDict, key: str):
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _mesh_problems(config) -> list[str]:
+    axes, shape = _get(config, "mesh.axes"), _get(config, "mesh.shape")
+    if axes is _MISSING or shape is _MISSING:
+        return []
+    axes, shape = tuple(axes), tuple(shape)
+    if len(axes) != len(shape):
+        return [f"mesh.axes={axes} and mesh.shape={shape}: must have the same length"]
+    out = []
+    if "data" not in axes:
+        out.append(f"mesh.axes={axes}: must include 'data'")
+    if any(s != -1 and s < 1 for s in shape) or shape.count(-1) > 1:
+        out.append(f"mesh.shape={shape}: sizes must be positive, with at most one -1 (the rest)")
+    elif "data" in axes and shape[axes.index("data")] != -1:
+        data = shape[axes.index("data")]  # known now; a -1 is checked once devices are known
+        keys = ["train.batch_size"]
+        evaluates = _get(config, "train.eval_every") not in (0, _MISSING)
+        if _get(config, "task") == "realm" and evaluates:
+            keys.append("train.eval_batch_size")  # REALM's evaluation shards its batch too
+        for key in keys:
+            b = _get(config, key)
+            if b is not _MISSING and b > 0 and b % data:
+                out.append(
+                    f"{key}={b}: must be divisible by the mesh's data axis ({data}, "
+                    f"mesh.shape={shape}); change {key} or mesh.shape"
+                )
+    return out
+
+
+def _length_problems(config) -> list[str]:
+    """Inputs must fit the networks' position tables (REALM and ICT pre-training)."""
+    task = _get(config, "task")
+    block, query = _get(config, "data.block_len"), _get(config, "data.query_len")
+    emb = _get(config, "model.embedder.max_position_embeddings")
+    reader = _get(config, "model.reader.max_position_embeddings")
+    if task not in ("realm", "ict") or _MISSING in (block, query, emb, reader):
+        return []
+    out = [
+        f"{key}={n}: must be at most model.embedder.max_position_embeddings ({emb})"
+        for key, n in (("data.block_len", block), ("data.query_len", query))
+        if n > emb
+    ]
+    if task == "realm" and query + block - 1 > reader:
+        out.append(
+            f"data.query_len + data.block_len - 1 = {query + block - 1} (the reader's input): "
+            f"must be at most model.reader.max_position_embeddings ({reader})"
+        )
+    return out
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Check the config's values before any work (the CLI calls this after loading): a
+    ConfigError naming each bad field, its value and what is allowed. Checks that need the
+    devices or the prepared data (a mesh with -1, blocks per device) run where those are
+    known, still before any checkpoint is written."""
+    problems = []
+    for key, allowed in CHOICES.items():
+        value = _get(config, key)
+        if value is not _MISSING and value not in allowed:
+            problems.append(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+    for key, (ok, allowed) in RANGES.items():
+        value = _get(config, key)
+        if value is not _MISSING and not ok(value):
+            problems.append(f"{key}={value!r}: must be {allowed}")
+    if _get(config, "task") == "realm":
+        k = _get(config, "train.num_candidates")
+        if k is not _MISSING and k < 2:
+            problems.append(
+                f"train.num_candidates={k}: must be at least 2 (the null document and at "
+                "least one retrieved block)"
+            )
+    for part in ("embedder", "reader"):
+        h, n = _get(config, f"model.{part}.hidden_size"), _get(config, f"model.{part}.num_heads")
+        if _MISSING not in (h, n) and h > 0 and n > 0 and h % n:
+            problems.append(
+                f"model.{part}.hidden_size={h}: must be divisible by model.{part}.num_heads ({n})"
+            )
+    problems += _mesh_problems(config) + _length_problems(config)
+    if problems:
+        raise ConfigError("; ".join(problems))

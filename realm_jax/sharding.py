@@ -71,17 +71,17 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape["data"]
 
 
-def check_batch(batch_size: int, mesh: Mesh) -> None:
-    """The global batch must split evenly over the data axis and over processes."""
+def check_batch(batch_size: int, mesh: Mesh, field: str = "train.batch_size") -> None:
+    """The global batch (config field `field`) must split evenly over the data axis and over
+    processes."""
     if batch_size % data_size(mesh):
         raise MeshError(
-            f"train.batch_size {batch_size} is not divisible by the mesh's data axis "
-            f"({data_size(mesh)}); change train.batch_size or mesh.shape"
+            f"{field} {batch_size} is not divisible by the mesh's data axis "
+            f"({data_size(mesh)} of {mesh.devices.size} devices, mesh.shape "
+            f"{tuple(mesh.shape.values())}); change {field} or mesh.shape"
         )
     if batch_size % jax.process_count():
-        raise MeshError(
-            f"train.batch_size {batch_size} is not divisible by {jax.process_count()} processes"
-        )
+        raise MeshError(f"{field} {batch_size} is not divisible by {jax.process_count()} processes")
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

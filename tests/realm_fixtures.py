@@ -25,6 +25,19 @@ CONFIG_OVERRIDES = [
     "train.warmup_steps=0",
     "train.steps=10",
 ]
+# One 1 x 32 BERT for the embedders and the reader, positions up to 128: the end-to-end tests
+# model (tests/test_trainer.py, tests/test_qa_finetune.py).
+TINY_NETWORKS = [
+    f"model.{net}.{key}={value}"
+    for key, value in (
+        ("hidden_size", 32),
+        ("num_layers", 1),
+        ("num_heads", 2),
+        ("intermediate_size", 64),
+        ("max_position_embeddings", 128),
+    )
+    for net in ("embedder", "reader")
+]
 NUM_BLOCKS = 61  # not a multiple of 8: exercises index padding
 
 

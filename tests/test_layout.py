@@ -9,7 +9,7 @@ from tests.conftest import REPO
 PKG = os.path.join(REPO, "realm_jax")
 # Lowest first. A module may import its own room and any room of a lower layer.
 LAYERS = [
-    {"config", "workdir", "runtime", "tokenization", "sharding", "checkpoint"},
+    {"config", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"},
     {"data", "model", "ops"},
     {"index"},
     {"train"},

@@ -24,19 +24,10 @@ from realm_jax.pretrain import commands as pretrain_commands
 from realm_jax.pretrain import step as train_step
 from realm_jax.train import warm_start
 from realm_jax.workdir import index_dir
+from tests.realm_fixtures import TINY_NETWORKS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OVERRIDES = [
-    "model.embedder.hidden_size=32",
-    "model.reader.hidden_size=32",
-    "model.embedder.num_layers=1",
-    "model.reader.num_layers=1",
-    "model.embedder.num_heads=2",
-    "model.reader.num_heads=2",
-    "model.embedder.intermediate_size=64",
-    "model.reader.intermediate_size=64",
-    "model.embedder.max_position_embeddings=128",
-    "model.reader.max_position_embeddings=128",
+OVERRIDES = TINY_NETWORKS + [
     "data.block_len=64",
     "data.query_len=32",
     "data.max_predictions=5",

@@ -9,8 +9,9 @@ Accepted inputs (`read_documents(path)`):
                      text = contents, id = path relative to the folder.
 
 Bad input (invalid UTF-8, malformed JSON, empty/missing fields, no usable text, duplicate ids,
-unreadable files) raises `CorpusError("<file>:<line>: ...")`; with skip_bad_input=True the
-document is skipped and counted under `stats["skipped_<kind>"]`.
+unreadable files) raises `CorpusError("<file>:<line>: ...")`; with skip_bad_input=True
+(`--config.data.skip_bad_input=true`) the document is skipped and counted under
+`stats["skipped_<kind>"]`.
 
 Blocks are `[CLS] title [SEP] body [SEP]` of at most block_len wordpieces; bodies are packed
 greedily sentence by sentence; a sentence longer than a block is split by wordpieces.
@@ -29,6 +30,10 @@ from collections.abc import Iterator
 from realm_jax import tokenization as tk
 
 BAD_KINDS = ("bad_utf8", "bad_json", "missing_field", "empty_text", "duplicate_id", "unreadable")
+
+
+# How a CLI user skips bad documents (read_documents(skip_bad_input=True) in code).
+SKIP_HINT = "--config.data.skip_bad_input=true skips and counts such input"
 
 
 class CorpusError(ValueError):
@@ -59,7 +64,7 @@ class _Reader:
 
     def bad(self, kind: str, where: str, msg: str) -> None:
         if not self.skip:
-            raise CorpusError(f"{where}: {msg} (pass skip_bad_input=True to skip such input)")
+            raise CorpusError(f"{where}: {msg} ({SKIP_HINT})")
         self.stats[f"skipped_{kind}"] += 1
 
     def check(self, where: str, doc_id: str, title, text) -> tuple[str, str, str] | None:
@@ -164,7 +169,7 @@ def read_documents(
     if os.path.isdir(path):
         yield from _read_folder(path, r)
     elif not os.path.exists(path):
-        raise CorpusError(f"{path}: corpus not found")
+        raise CorpusError(f"{path}: no such file or folder")
     elif path.endswith((".jsonl", ".json")):
         yield from _read_jsonl(path, r)
     elif path.endswith((".tsv", ".txt")):

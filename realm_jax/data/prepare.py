@@ -26,11 +26,13 @@ the same ArrayRecord data source `tfds.data_source` returns, without a registere
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -124,6 +126,20 @@ def _count_lines(path: str) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def _progress(**kwargs):
+    """A tqdm bar that is erased when the body raises, so the error is printed on a line of
+    its own (not after a half-drawn bar)."""
+    bar = tqdm(**kwargs)
+    try:
+        yield bar
+    except BaseException:
+        bar.leave = False
+        raise
+    finally:
+        bar.close()
+
+
 def _chunks(it, n: int):
     buf = []
     for x in it:
@@ -139,20 +155,19 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
     """Read data.corpus and cut every document into blocks (ids 0..N-1 in corpus order)."""
     docs = corpus_lib.read_documents(data.corpus, skip_bad_input=data.skip_bad_input, stats=stats)
     blocks: list[corpus_lib.Block] = []
-    bar = tqdm(total=_count_lines(data.corpus), desc="blocks: tokenise", unit="doc")
-    for chunk in _chunks(docs, CHUNK):
-        titles = tk.wordpieces([t for _, t, _ in chunk])
-        bodies = tk.wordpieces([b for _, _, b in chunk])
-        sents = masking.split_sentences(b for _, _, b in chunk)
-        for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
-            new = corpus_lib.split_blocks(
-                doc_id, title, body, t.ids, b, s, data.block_len, len(blocks)
-            )
-            if not new:
-                stats["skipped_empty_text"] += 1
-            blocks.extend(new)
-        bar.update(len(chunk))
-    bar.close()
+    with _progress(total=_count_lines(data.corpus), desc="blocks: tokenise", unit="doc") as bar:
+        for chunk in _chunks(docs, CHUNK):
+            titles = tk.wordpieces([t for _, t, _ in chunk])
+            bodies = tk.wordpieces([b for _, _, b in chunk])
+            sents = masking.split_sentences(b for _, _, b in chunk)
+            for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
+                new = corpus_lib.split_blocks(
+                    doc_id, title, body, t.ids, b, s, data.block_len, len(blocks)
+                )
+                if not new:
+                    stats["skipped_empty_text"] += 1
+                blocks.extend(new)
+            bar.update(len(chunk))
     stats["blocks"] = len(blocks)
     return blocks
 
@@ -211,23 +226,25 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
     cands = masker.candidates([texts[i] for i in keep])
     records, eval_records = [], []
     desc = f"examples: {'NER' if masker.mode == 'salient' else 'random'} masking"
-    for i, cand in tqdm(zip(keep, cands, strict=False), total=len(keep), desc=desc, unit="sent"):
-        spans = masker.choices(i, texts[i], encs[i].offsets, cand)
-        if not spans:
-            continue
-        out = eval_records if held[i] else records
-        out.append(
-            {
-                "example_id": len(out),
-                "block_id": block_ids[i],
-                "doc_id": doc_ids[i],
-                "text": texts[i],
-                "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
-                "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # +1: [CLS]
-                "span_ends": np.asarray([b + 1 for _, b, _ in spans], np.int32),
-                "span_labels": ",".join(label for _, _, label in spans),
-            }
-        )
+    pairs = zip(keep, cands, strict=False)
+    with _progress(iterable=pairs, total=len(keep), desc=desc, unit="sent") as bar:
+        for i, cand in bar:
+            spans = masker.choices(i, texts[i], encs[i].offsets, cand)
+            if not spans:
+                continue
+            out = eval_records if held[i] else records
+            out.append(
+                {
+                    "example_id": len(out),
+                    "block_id": block_ids[i],
+                    "doc_id": doc_ids[i],
+                    "text": texts[i],
+                    "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
+                    "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # [CLS]
+                    "span_ends": np.asarray([b + 1 for _, b, _ in spans], np.int32),
+                    "span_labels": ",".join(label for _, _, label in spans),
+                }
+            )
     stats["examples"] = len(records)
     stats["eval_examples"] = len(eval_records)
     stats["salient_spans"] = sum(len(r["span_starts"]) for r in records + eval_records)
@@ -268,7 +285,11 @@ def _hash_file(h, path: str) -> None:
 def fingerprint(data) -> str:
     """sha256 of the input files' contents, the vocab and the fields that shape the output."""
     h = hashlib.sha256(f"realm-jax-prepare-v{FORMAT_VERSION}".encode())
-    for src in (data.corpus, data.sentences):
+    for field in ("corpus", "sentences"):
+        src = data[field]
+        if src and not os.path.exists(src):
+            where = "" if os.path.isabs(src) else f" (relative to {os.getcwd()})"
+            raise corpus_lib.CorpusError(f"data.{field}={src!r}: no such file or folder{where}")
         for path in corpus_lib.input_files(src) if src else []:
             _hash_file(h, path)
     _hash_file(h, tk.VOCAB_PATH)
@@ -308,6 +329,12 @@ def _publish(tmp: str, data_dir: str, summary: dict) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _skipped(stats) -> str:
+    """'skipped_x 3, skipped_y 1' (or 'nothing skipped'): the counts that explain empty output."""
+    parts = [f"{k} {v}" for k, v in sorted(stats.items()) if k.startswith("skipped") and v]
+    return ", ".join(parts) or "nothing skipped"
+
+
 def _print_summary(s: dict) -> None:
     print(f"prepared {s['data_dir']} in {s['elapsed_s']:.1f}s (masking: {s['masking']})")
     for key in ("documents", "blocks", "sentences", "examples", "eval_examples"):
@@ -332,16 +359,32 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
             "(overwrite=True) to rebuild it, or choose another --config.data.data_dir"
         )
     start, stats = time.time(), collections.Counter()
-    tmp = _fresh_tmp(data_dir)
     blocks = build_blocks(data, stats)
     if not blocks:
-        raise PrepareError(f"{data.corpus}: no usable documents")
+        why = (
+            f"none of its {stats['documents']} documents left body text in blocks of "
+            f"data.block_len={data.block_len} wordpieces ([CLS] title [SEP] body [SEP]); "
+            "raise data.block_len"
+            if stats["documents"]
+            else f"no documents (empty input, or every document skipped: {_skipped(stats)})"
+        )
+        raise PrepareError(f"{data.corpus}: no usable documents: {why}")
     records, eval_records, mode = build_examples(data, blocks, stats)
     if not records:
-        raise PrepareError(
-            f"{data.corpus}: no pre-training examples (no sentence with a usable "
-            f"{'salient span' if mode == 'salient' else 'span'}); counts: {dict(stats)}"
-        )
+        if eval_records:
+            why = (
+                f"all {len(eval_records)} examples are held out for evaluation "
+                f"(data.eval_fraction={data.eval_fraction}); lower data.eval_fraction"
+            )
+        elif mode == "salient":
+            why = (
+                f"no sentence of {stats['sentences']} has a usable salient span (named entity "
+                "or date); try --config.data.masking=random"
+            )
+        else:
+            why = f"no sentence of {stats['sentences']} has a usable span"
+        raise PrepareError(f"{data.corpus}: no pre-training examples: {why} ({_skipped(stats)})")
+    tmp = _fresh_tmp(data_dir)  # bad input stops above, before anything is written
     _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
     _write(RealmExamples, records, os.path.join(tmp, "examples"))
     if eval_records:  # TFDS cannot write an empty dataset; loaders say what is missing
@@ -369,7 +412,27 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
 # ------------------------------------------------------------------------------------ loaders
 
 
+def stale_outputs(run_dir: str) -> list[str]:
+    """The run's checkpoints/ and index/ folders that hold something: built from the data a
+    `prepare --overwrite` replaces (block ids, embeddings and masked examples change)."""
+    out = []
+    for folder in (workdir.checkpoint_dir(run_dir), workdir.index_dir(run_dir)):
+        if os.path.isdir(folder) and any(not n.startswith(".") for n in os.listdir(folder)):
+            out.append(folder)
+    return out
+
+
 def command(config, args) -> int:
     """`realm-jax prepare`: into config.data.data_dir or <workdir>/data."""
-    prepare(config, workdir.data_dir(config, args.workdir), overwrite=args.overwrite)
+    data_dir = workdir.data_dir(config, args.workdir)
+    old = read_summary(data_dir)
+    stale = stale_outputs(args.workdir) if args.overwrite and old is not None else []
+    if stale and old.get("fingerprint") != fingerprint(config.data):
+        print(
+            f"realm-jax prepare: warning: {' and '.join(stale)} were built from the old data in "
+            f"{data_dir} and no longer match the new data (block ids and examples change); "
+            "prepare changed input in a new --workdir, or delete them before training here",
+            file=sys.stderr,
+        )
+    prepare(config, data_dir, overwrite=args.overwrite)
     return 0

@@ -5,17 +5,18 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 import threading
 
 import jax
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
+from realm_jax.config import ConfigError
 from realm_jax.data import ict as ict_data
 from realm_jax.data import pipeline, prepared
 from realm_jax.ict.evaluation import IctEvaluator
 from realm_jax.ict.step import create_state, ict_step
+from realm_jax.lock import workdir_lock
 from realm_jax.train import loop
 from realm_jax.train.warm_start import params_hook
 
@@ -23,7 +24,13 @@ log = logging.getLogger("realm_jax.ict")
 
 
 def train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
-    """ICT pre-training of the embedders; resumable. Returns the logged metrics."""
+    """ICT pre-training of the embedders; resumable. Returns the logged metrics. Holds the
+    workdir's trainer lock for the run (LockError when another trainer holds it)."""
+    with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
+        return _train(config, workdir, stop_event)
+
+
+def _train(config, workdir: str, stop_event: threading.Event | None) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     tc = config.train
     mesh = sharding.make_mesh(config.mesh)
@@ -35,12 +42,18 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
     log.info(
         "ICT: %d training blocks of %d; mesh %s", len(train_ids), len(titles), dict(mesh.shape)
     )
+    loader = ict_data.train_loader(config, ddir, train_ids)  # too few blocks: before checkpoints
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
     hook = None if mgr.all_steps() else params_hook(config, reader=False)
     model, optimizer, state, shardings = create_state(config, mesh, jax.random.key(tc.seed), hook)
-    it = iter(ict_data.train_loader(config, ddir, train_ids))
+    it = iter(loader)
     start, state = loop.init_or_resume(
-        mgr, state, shardings, it, (pipeline.iterator_save_args, pipeline.iterator_restore_args)
+        mgr,
+        state,
+        shardings,
+        it,
+        (pipeline.iterator_save_args, pipeline.iterator_restore_args),
+        fingerprint=loop.fingerprint(config, ddir),
     )
     step_fn = jax.jit(
         functools.partial(ict_step, model=model, optimizer=optimizer, mesh=mesh, seed=tc.seed),
@@ -65,10 +78,6 @@ def train(config, workdir: str, stop_event: threading.Event | None = None) -> li
 def command(config, args) -> int:
     """`realm-jax ict` (or `train`/`local` with configs/ict.py)."""
     if config.task != "ict":
-        print(
-            f"realm-jax ict: {args.config} is a {config.task!r} config; use configs/ict.py",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError(f"{args.config} is a {config.task!r} config; use configs/ict.py")
     train(config, args.workdir)
     return 0

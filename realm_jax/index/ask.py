@@ -18,13 +18,17 @@ from realm_jax.index import store
 from realm_jax.index.corpus import abstract_params, embed_query_tokens
 from realm_jax.tokenization import encode_query
 
+# The query embedder comes from a training checkpoint, the index from the refresh job that
+# embeds it: `local` runs both; `train` alone publishes no index.
+TRAIN_FIRST = "train first (`realm-jax local`, or `train` with `refresh`)"
+
 
 def _query_params(config, workdir: str, mesh):
     model, abstract = abstract_params(config, mesh, "query_embedder")
     mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
     step = mgr.latest_step()
     if step is None:
-        raise FileNotFoundError(f"no checkpoint in {paths.checkpoint_dir(workdir)}")
+        raise FileNotFoundError(f"no checkpoint in {paths.checkpoint_dir(workdir)}: {TRAIN_FIRST}")
     return model, checkpoint.restore_params_subtree(mgr, step, "query_embedder", abstract)
 
 
@@ -36,9 +40,15 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     top_k = min(top_k, prepared.load_summary(ddir)["counts"]["blocks"])  # never pad rows
     found = store.latest_valid(paths.index_dir(workdir))
     if found is None:
-        raise FileNotFoundError(
-            f"no valid index in {paths.index_dir(workdir)}: run `realm-jax refresh`"
+        trained = os.path.isdir(paths.checkpoint_dir(workdir)) and (
+            checkpoint.manager(workdir, with_data=False, read_only=True).latest_step() is not None
         )
+        hint = (
+            "publish one from the newest checkpoint with `realm-jax refresh --max_versions 1`"
+            if trained  # trained with refresh.mode=inprocess: nothing was published
+            else TRAIN_FIRST
+        )
+        raise FileNotFoundError(f"no valid index in {paths.index_dir(workdir)}: {hint}")
     _, path = found
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
     model, params = _query_params(config, workdir, mesh)
@@ -58,7 +68,10 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
 
 
 def command(config, args) -> int:
-    """`realm-jax ask "question"`: the top blocks, with their scores."""
+    """`realm-jax ask "question"`: the top blocks, with their scores (a pre-training workdir
+    has no reader fine-tuned to answer: QA configs answer, qa/commands.py)."""
+    if not args.question:
+        raise ValueError("give a question (interactive mode needs a QA config)")
     for title, text, score in ask(config, args.workdir, " ".join(args.question), args.top_k):
         print(f"[{score:8.3f}] {title}: {text[:200]}")
     return 0

@@ -18,6 +18,7 @@ from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
 from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index
+from realm_jax.lock import workdir_lock
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import doc_embedder_name
 
@@ -59,11 +60,37 @@ class Refresher:
         self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
         self.dir = paths.index_dir(workdir)
         os.makedirs(self.dir, exist_ok=True)
+        self._damaged: dict[int, tuple[int, int]] = {}  # step -> its folder when it failed
 
     def refresh_once(self, mgr, step: int) -> str:
         """Embed the corpus with checkpoint `step`'s document embedder and publish it."""
         t0 = time.time()
         params = checkpoint.restore_params_subtree(mgr, step, self.name, self.abstract)
+        return self._publish(step, params, t0)
+
+    def refresh_newest(self, mgr, last: int) -> int | None:
+        """Publish the newest checkpoint newer than `last` whose document embedder restores:
+        a damaged one is reported in one line, remembered (not retried, until the trainer
+        replaces it) and passed over for the one before. The trainer owns the checkpoint
+        folder: nothing is moved. Returns the step embedded, None when none was."""
+        steps = [s for s in sorted(mgr.all_steps(), reverse=True) if s > last]
+        for i, step in enumerate(steps):
+            folder = _folder_id(mgr, step)
+            if folder is None or self._damaged.get(step) == folder:
+                continue  # gone since the listing, or known damaged
+            t0 = time.time()
+            params, reason = checkpoint.try_restore(
+                checkpoint.restore_params_subtree, mgr, step, self.name, self.abstract
+            )
+            if reason is None:
+                self._publish(step, params, t0)
+                return step
+            self._damaged[step] = folder
+            then = f"trying checkpoint {steps[i + 1]}" if i + 1 < len(steps) else "skipping it"
+            log.error("refresh: checkpoint %d cannot be restored (%s); %s", step, reason, then)
+        return None
+
+    def _publish(self, step: int, params, t0: float) -> str:
         t_restore = time.time() - t0
         emb = self.embed({self.name: params}, self.tokens)
         host = _host_embeddings(emb, self.num_blocks)
@@ -120,14 +147,23 @@ class Refresher:
         )
         while not stop.is_set() and (max_versions is None or done < max_versions):
             mgr.reload()
-            steps = mgr.all_steps()
-            if steps and max(steps) > last:
-                last = max(steps)  # catch up: skip straight to the newest checkpoint
-                self.refresh_once(mgr, last)
+            step = self.refresh_newest(mgr, last)  # catch up: straight to the newest
+            if step is not None:
+                last = step
                 done += 1
             else:
                 stop.wait(self.config.refresh.poll_seconds)
         return done
+
+
+def _folder_id(mgr, step: int) -> tuple[int, int] | None:
+    """Which folder holds checkpoint `step` now (a damaged one the trainer moved aside and
+    saved again is a new folder); None when it is gone."""
+    try:
+        st = os.stat(os.path.join(os.fspath(mgr.directory), str(step)))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _all_devices_mesh(config):
@@ -138,12 +174,16 @@ def _all_devices_mesh(config):
 
 
 def command(config, args) -> int:
-    """`realm-jax refresh`: run the refresh job until SIGTERM/SIGINT (or --max_versions)."""
+    """`realm-jax refresh`: run the refresh job until SIGTERM/SIGINT (or --max_versions).
+
+    Holds the workdir's refresher lock (LockError when another refresh job holds it); the
+    trainer's in-process refresh mode builds a Refresher without it (it is the trainer)."""
     from realm_jax.data import prepared
 
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())
-    tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
-    Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
+    with workdir_lock(args.workdir, "refresher", enabled=jax.process_index() == 0):
+        tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
+        Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
     return 0

@@ -23,6 +23,7 @@ _NOT_ARCHITECTURE = (
     "init_embedder_from",
     "init_reader_from",
     "init_embedders_from_ict",
+    "init_from_realm",
 )
 
 

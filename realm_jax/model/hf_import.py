@@ -21,13 +21,15 @@ class WeightImportError(ValueError):
     """A checkpoint that cannot be imported: missing file, tensor or mismatched shape."""
 
 
-def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json as a dict, {name: array}) from a HuggingFace model folder."""
-    cfg_path = os.path.join(path, "config.json")
-    st_path = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(cfg_path):
+def check_folder(path: str) -> None:
+    """A WeightImportError unless `path` is a folder with config.json and model.safetensors
+    (cheap: run before any model is built, so a wrong path fails at once)."""
+    if not os.path.isdir(path):
+        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+        raise WeightImportError(f"{path}: no such folder{where}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise WeightImportError(f"{path}: no config.json")
-    if not os.path.isfile(st_path):
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
         pickled = [
             f for f in ("pytorch_model.bin", "tf_model.h5") if os.path.exists(os.path.join(path, f))
         ]
@@ -37,6 +39,13 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
             else ""
         )
         raise WeightImportError(f"{path}: no model.safetensors{hint}")
+
+
+def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json as a dict, {name: array}) from a HuggingFace model folder."""
+    cfg_path = os.path.join(path, "config.json")
+    st_path = os.path.join(path, "model.safetensors")
+    check_folder(path)
     from safetensors.numpy import load_file
 
     try:

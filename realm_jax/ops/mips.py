@@ -39,13 +39,13 @@ def _local_topk(q, emb, exclude, *, k, num_valid, axes):
 
 
 def _gather_rows(table, ids, axes):
-    """table [n, L] local rows, ids [B, k] global -> [B, k, L] (psum of owned rows)."""
+    """table [n, ...] local rows, ids [B, k] global -> [B, k, ...] (psum of owned rows)."""
     n_local = table.shape[0]
     offset = jax.lax.axis_index(axes) * n_local
     local = ids - offset
     own = (local >= 0) & (local < n_local)
     rows = table[jnp.clip(local, 0, n_local - 1)]
-    rows = jnp.where(own[..., None], rows, 0)
+    rows = jnp.where(own.reshape(own.shape + (1,) * (rows.ndim - own.ndim)), rows, 0)
     return jax.lax.psum(rows, axes)
 
 
@@ -57,15 +57,14 @@ def search_and_fetch(mesh: Mesh, query, emb, tokens, exclude, *, k: int, num_val
     """
     axes = tuple(mesh.axis_names)
     n_local = emb.shape[0] // mesh.devices.size
-    if k > n_local:
-        raise ValueError(
-            f"top-{k} retrieval needs at least {k} rows per device; the index has "
-            f"{n_local} per device: use fewer devices or fewer candidates"
-        )
+    if k > num_valid:
+        raise ValueError(f"top-{k} retrieval from an index of {num_valid} blocks")
+    # Each of the global top k is within its own device's top min(k, rows per device).
+    k_local = min(k, n_local)
 
     def body(q, e, t, ex):
-        vals, ids = _local_topk(q, e, ex, k=k, num_valid=num_valid, axes=axes)
-        all_vals = jax.lax.all_gather(vals, axes, axis=1, tiled=True)  # [B, ndev * k]
+        vals, ids = _local_topk(q, e, ex, k=k_local, num_valid=num_valid, axes=axes)
+        all_vals = jax.lax.all_gather(vals, axes, axis=1, tiled=True)  # [B, ndev * k_local]
         all_ids = jax.lax.all_gather(ids, axes, axis=1, tiled=True)
         top_vals, pos = jax.lax.top_k(all_vals, k)
         top_ids = jnp.take_along_axis(all_ids, pos, axis=1)
@@ -79,6 +78,21 @@ def search_and_fetch(mesh: Mesh, query, emb, tokens, exclude, *, k: int, num_val
         check_vma=False,
     )
     return fn(query, emb, tokens, exclude)
+
+
+def fetch_rows(mesh: Mesh, table, ids):
+    """Rows `ids` [B, k] of a row-sharded table [N, ...] -> [B, k, ...], replicated: each
+    device contributes the rows it owns (the token table, or the frozen embeddings when the
+    ids come from elsewhere: a BM25 retriever, the retriever's own top-k)."""
+    axes = tuple(mesh.axis_names)
+    fn = jax.shard_map(
+        lambda t, i: _gather_rows(t, i, axes),
+        mesh=mesh,
+        in_specs=(P(axes), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
+    return fn(table, ids)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))

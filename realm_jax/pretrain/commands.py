@@ -17,8 +17,10 @@ import jax.numpy as jnp
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
+from realm_jax.config import ConfigError
 from realm_jax.data import pipeline, prepared
 from realm_jax.index.feed import IndexFeed
+from realm_jax.lock import workdir_lock
 from realm_jax.pretrain import step as train_step
 from realm_jax.pretrain.evaluation import RealmEvaluator
 from realm_jax.train import loop
@@ -36,16 +38,29 @@ def train(
     """Pre-train REALM; resumable. Returns the metrics logged by this run (one dict per log).
 
     health() is called while waiting for the first index and before every step; it raises
-    when something the run depends on has died (`local`'s refresh job)."""
+    when something the run depends on has died (`local`'s refresh job). The workdir's trainer
+    lock is taken first (LockError when another trainer holds it), before any data or
+    checkpoint is touched."""
+    with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
+        return _train(config, workdir, stop_event, health)
+
+
+def _train(
+    config,
+    workdir: str,
+    stop_event: threading.Event | None,
+    health: Callable[[], None] | None,
+) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     tc = config.train
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_batch(tc.batch_size, mesh)
-    if tc.num_candidates < 2:
-        raise ValueError("train.num_candidates must be >= 2 (the null document + 1 retrieved)")
+    if tc.eval_every > 0:
+        sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
     ddir = paths.data_dir(config, workdir)
     prepared.check_prepared(config, ddir)
     tokens, _, titles = prepared.load_blocks(ddir)  # [N, Lb]
+    check_candidates(tc.num_candidates, tokens.shape[0], mesh)
     log.info(
         "mesh %s over %d devices (%d processes); %d blocks",
         dict(mesh.shape),
@@ -53,17 +68,29 @@ def train(
         jax.process_count(),
         tokens.shape[0],
     )
+    # Everything that can refuse the data (too few examples for a batch) before the first
+    # checkpoint is written.
+    loader = pipeline.train_loader(
+        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
+    )
+    eval_batches = None
+    if tc.eval_every > 0:
+        eval_batches = pipeline.eval_batches(
+            config, ddir, batch_size=tc.eval_batch_size, max_examples=tc.eval_examples
+        )
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
     hook = None if mgr.all_steps() else params_hook(config)  # a resume restores the weights
     model, optimizer, state, shardings = train_step.create_state(
         config, mesh, jax.random.key(tc.seed), hook
     )
-    loader = pipeline.train_loader(
-        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
-    )
     it = iter(loader)
     start, state = loop.init_or_resume(
-        mgr, state, shardings, it, (pipeline.iterator_save_args, pipeline.iterator_restore_args)
+        mgr,
+        state,
+        shardings,
+        it,
+        (pipeline.iterator_save_args, pipeline.iterator_restore_args),
+        fingerprint=loop.fingerprint(config, ddir),
     )
     feed = IndexFeed(config, workdir, mesh, model, tokens)
     feed.start(state.params, start, health)
@@ -71,11 +98,8 @@ def train(
         config, mesh, model, optimizer, shardings, feed.num_blocks
     )
     evaluator = None
-    if tc.eval_every > 0:
-        batches = pipeline.eval_batches(
-            config, ddir, batch_size=tc.eval_batch_size, max_examples=tc.eval_examples
-        )
-        evaluator = RealmEvaluator(config, mesh, model, feed, batches, titles)
+    if eval_batches is not None:
+        evaluator = RealmEvaluator(config, mesh, model, feed, eval_batches, titles)
 
     def before_step(step: int, state) -> dict:
         if health is not None:
@@ -100,6 +124,19 @@ def train(
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
     )
+
+
+def check_candidates(num_candidates: int, num_blocks: int, mesh) -> None:
+    """REALM retrieves num_candidates - 1 blocks besides the null document, never the
+    query's own block, so the corpus must hold at least num_candidates blocks (each device
+    keeps a local top-k of its rows; ops/mips.py merges them)."""
+    del mesh  # any number of rows per device works
+    if not 2 <= num_candidates <= num_blocks:
+        raise ConfigError(
+            f"train.num_candidates={num_candidates}: must be at least 2 and at most "
+            f"{num_blocks} here (the null document + up to {num_blocks - 1} retrieved blocks "
+            "of a corpus that excludes the query's own); lower train.num_candidates"
+        )
 
 
 CONSOLE_KEYS = (
@@ -148,7 +185,13 @@ def _die_with_parent() -> None:
 
 def local(config, args) -> int:
     """`realm-jax local`: the trainer in this process, the refresher as a child process;
-    both stop together."""
+    both stop together. The trainer lock is taken before the child starts (it takes the
+    refresher lock itself)."""
+    with workdir_lock(args.workdir, "trainer", enabled=jax.process_index() == 0):
+        return _local(config, args)
+
+
+def _local(config, args) -> int:
     child = None
     if config.refresh.mode == "external":
         cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]
@@ -163,7 +206,7 @@ def local(config, args) -> int:
             )
 
     try:
-        train(config, args.workdir, health=refresher_alive)
+        _train(config, args.workdir, None, refresher_alive)  # the lock is held: not train()
     finally:
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)

@@ -1,21 +1,294 @@
-"""Open-domain QA commands: fine-tuning and exact-match evaluation (not built yet)."""
+"""Open-domain QA as a task of the shared loop: `finetune` (and `train` with configs/orqa.py),
+`evaluate` and `ask` for fine-tuned workdirs."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import sys
+import threading
+import time
+
+import jax
+
+from realm_jax import checkpoint, sharding
+from realm_jax import workdir as paths
+from realm_jax.data import pipeline, prepared
+from realm_jax.index import store
+from realm_jax.index.corpus import abstract_params
+from realm_jax.index.refresher import build_searcher
+from realm_jax.lock import workdir_lock
+from realm_jax.model.realm import realm_model
+from realm_jax.qa import data as qa_data
+from realm_jax.qa import step as qa_step
+from realm_jax.qa.answers import (
+    QAExample,
+    read_predictions,
+    read_questions,
+    score_predictions,
+)
+from realm_jax.qa.evaluation import DevEvaluator, FrozenIndex, Predictor
+from realm_jax.train import loop
+from realm_jax.train.warm_start import params_hook
+
+log = logging.getLogger("realm_jax.qa")
+
+CONSOLE_KEYS = ("loss", "retriever_loss", "reader_loss", "exact_match", "reader_beam_recall")
+EVAL_CONSOLE_KEYS = ("exact_match", "recall@1", "recall@5", "recall@20")
 
 
-def _not_yet(command: str, what: str) -> int:
-    print(
-        f"realm-jax {command}: {what} is not implemented yet (see README 'Known gaps').",
-        file=sys.stderr,
+def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenIndex:
+    """The fine-tuning run's frozen index: its published version if it has one (a resume),
+    else every block embedded once with the initial document embedder and published (with a
+    ScaNN searcher when refresh.build_scann), so `evaluate` and `ask` read the same index."""
+    idir = paths.index_dir(workdir)
+    dim = config.model.proj_size
+    found = store.latest_valid(idir, expected_num_blocks=len(tokens), expected_dim=dim)
+    if found is not None:
+        log.info("frozen index: %s", found[1])
+        return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens)
+    t0 = time.perf_counter()
+    index, host = FrozenIndex.embed(mesh, model, params, tokens, config.refresh.embed_batch_size)
+    log.info(
+        "embedded %d blocks in %.1f s (the frozen index)", len(tokens), time.perf_counter() - t0
     )
-    return 3
+    if jax.process_index() == 0:
+        searcher = build_searcher(config, host) if config.refresh.build_scann else None
+        store.publish_index(idir, 0, host, searcher=searcher, extra={"frozen": True})
+    return index
+
+
+def train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
+    """ORQA fine-tuning; resumable. Returns the logged metrics. Holds the workdir's trainer
+    lock for the run (LockError when another trainer holds it)."""
+    with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
+        return _train(config, workdir, stop_event)
+
+
+def _train(config, workdir: str, stop_event: threading.Event | None) -> list[dict]:
+    os.makedirs(workdir, exist_ok=True)
+    tc = config.train
+    mesh = sharding.make_mesh(config.mesh)
+    sharding.check_batch(tc.batch_size, mesh)
+    ddir = paths.data_dir(config, workdir)
+    prepared.check_prepared(config, ddir)
+    tokens, _, _ = prepared.load_blocks(ddir)
+    qa_step.check_config(config, realm_model(config.model), len(tokens), mesh)
+    _, arrays = qa_data.training_questions(config, ddir)
+    dev = qa_data.dev_questions(config, ddir) if tc.eval_every > 0 else []
+    mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
+    hook = None if mgr.all_steps() else params_hook(config, span_head=True)
+    model, optimizer, state, shardings = qa_step.create_state(
+        config, mesh, jax.random.key(tc.seed), hook
+    )
+    it = iter(qa_data.train_loader(config, arrays))
+    q = config.qa  # the iterator runs over the question file's split: a change is refused
+    fingerprint = loop.fingerprint(config, ddir) | {
+        "qa.train_file": os.path.abspath(q.train_file),
+        "qa.train_holdout": q.train_holdout,
+        "qa.training_questions": len(arrays["question_ids"]),
+        "qa.answer_len": q.answer_len,
+        "qa.max_answers": q.max_answers,
+    }
+    start, state = loop.init_or_resume(
+        mgr,
+        state,
+        shardings,
+        it,
+        (pipeline.iterator_save_args, pipeline.iterator_restore_args),
+        fingerprint=fingerprint,
+    )
+    index = frozen_index(config, workdir, mesh, model, state.params, tokens)
+    step_fn = qa_step.compile_train_step(config, mesh, model, optimizer, shardings, len(tokens))
+    evaluate = None
+    if dev:
+        predictor = Predictor(config, mesh, model, index, ddir, "dense")
+        dev_eval = DevEvaluator(config, predictor, dev)
+        best = checkpoint.best_manager(paths.best_dir(workdir), config.qa.best_metric)
+
+        def evaluate(state, step: int) -> dict[str, float]:
+            metrics = dev_eval(state, step)
+            checkpoint.save_params(best, step, state.params, metrics)  # every process saves
+            metrics["best_step"] = float(best.best_step() or step)
+            return metrics
+
+    task = loop.Task(
+        name="qa",
+        step=lambda s, b: step_fn(s, b, index.emb, index.tokens),
+        evaluate=evaluate,
+        console_keys=CONSOLE_KEYS,
+        eval_console_keys=EVAL_CONSOLE_KEYS,
+    )
+    return loop.run(
+        config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
+    )
 
 
 def finetune(config, args) -> int:
-    return _not_yet("finetune", "open-domain QA fine-tuning")
+    """`realm-jax finetune` (or `train` with configs/orqa.py)."""
+    if config.task != "qa":
+        print(
+            f"realm-jax finetune: {args.config} is a {config.task!r} config; use configs/orqa.py",
+            file=sys.stderr,
+        )
+        return 2
+    train(config, args.workdir)
+    return 0
+
+
+# ----------------------------------------------------------------------------- evaluate, ask
+
+
+def restore_reader(config, workdir: str, mesh, which: str = "best"):
+    """(model, params {query_embedder, reader}, step, where) of a fine-tuned workdir: the best
+    dev checkpoint (`which`="best", falling back to the newest when none was kept) or the
+    newest one ("latest")."""
+    mgr, where = None, ""
+    if which == "best" and os.path.isdir(paths.best_dir(workdir)):
+        mgr = checkpoint.best_manager(
+            paths.best_dir(workdir), config.qa.best_metric, read_only=True
+        )
+        step, where = mgr.best_step(), "best"
+    if mgr is None or step is None:
+        if not os.path.isdir(paths.checkpoint_dir(workdir)):
+            raise FileNotFoundError(
+                f"{workdir}: no checkpoints; run `realm-jax finetune` with this workdir first"
+            )
+        mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
+        step, where = mgr.latest_step(), "latest"
+        if step is None:
+            raise FileNotFoundError(f"{paths.checkpoint_dir(workdir)}: no checkpoint yet")
+    params = {}
+    for name in ("query_embedder", "reader"):
+        model, target = abstract_params(config, mesh, name)
+        params[name] = checkpoint.restore_params_subtree(mgr, step, name, target)
+    return model, params, step, where
+
+
+def open_predictor(config, workdir: str, retriever: str, which: str = "best", model=True):
+    """(predictor, params, description) for `evaluate` and `ask` over a fine-tuned workdir.
+    model=False (BM25 retrieval alone): no checkpoint is read, params are None."""
+    mesh = sharding.make_mesh(config.mesh)
+    ddir = paths.data_dir(config, workdir)
+    tokens, _, _ = prepared.load_blocks(ddir)
+    found = store.latest_valid(
+        paths.index_dir(workdir),
+        expected_num_blocks=len(tokens),
+        expected_dim=config.model.proj_size,
+    )
+    if found is None:
+        raise FileNotFoundError(
+            f"no valid index in {paths.index_dir(workdir)}: run `realm-jax finetune` with this "
+            "workdir first (it publishes the frozen index)"
+        )
+    if model:
+        net, params, step, where = restore_reader(config, workdir, mesh, which)
+        source = f"{where} checkpoint {step} of {workdir}"
+    else:
+        net, params, source = realm_model(config.model), None, "no model (retrieval alone)"
+    index = FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens)
+    predictor = Predictor(config, mesh, net, index, ddir, retriever)
+    return predictor, params, source
+
+
+def evaluation_questions(config, args, ddir: str) -> tuple[list[QAExample], str]:
+    """The questions `evaluate` scores: --questions FILE (all of it), else the config's dev
+    split; --limit keeps the first N."""
+    if args.questions:
+        examples, name = read_questions(args.questions, args.format), args.questions
+    else:
+        q = config.qa
+        examples = qa_data.load_questions(q.dev_file, q.format, q.dev_holdout, ddir)
+        name = f"{q.dev_file} ({q.dev_holdout})"
+    if args.limit > 0:
+        examples = examples[: args.limit]
+    return examples, name
 
 
 def evaluate(config, args) -> int:
-    return _not_yet("evaluate", "exact-match evaluation")
+    """`realm-jax evaluate`: exact match and recall@k, a predictions file, a metrics file."""
+    if config.task != "qa":
+        print(
+            f"realm-jax evaluate: {args.config} is not a QA config (configs/orqa.py)",
+            file=sys.stderr,
+        )
+        return 2
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    bm25 = args.retriever == "bm25"
+    ddir = paths.data_dir(config, args.workdir)
+    examples, name = evaluation_questions(config, args, ddir)
+    if args.predictions:  # score a predictions file (ORQA's evaluate_predictions), no model
+        m = score_predictions(examples, read_predictions(args.predictions))
+        print(
+            f"{name} against {args.predictions}: {m['missing_predictions']} missing predictions; "
+            f"accuracy {m['accuracy']:.4f} ({m['num_correct']}/{m['num_total']})"
+        )
+        return 0
+    alone = args.retrieval_only
+    predictor, params, source = open_predictor(
+        config, args.workdir, args.retriever, args.checkpoint, model=not (alone and bm25)
+    )
+    records, metrics = predictor.run(
+        params, examples, int(config.train.eval_batch_size), read=not alone
+    )
+    metrics.update(
+        cpu_seconds=time.process_time() - cpu0,
+        wall_seconds=time.perf_counter() - wall0,
+    )
+    out = args.output or os.path.join(
+        paths.eval_dir(args.workdir),
+        f"{os.path.splitext(os.path.basename(name.split(' ')[0]))[0]}.{args.retriever}"
+        + ("-retrieval" if alone else ""),
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".predictions.jsonl", "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    summary = {"questions_file": name, "retriever": args.retriever, "model": source, **metrics}
+    with open(out + ".metrics.json", "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    shown = ", ".join(
+        f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("exact", "recall"))
+    )
+    print(
+        f"{name}: {len(records)} questions, {args.retriever} retriever, {source}: {shown}; "
+        f"{metrics['cpu_seconds']:.0f} CPU s, {metrics['wall_seconds']:.0f} s\n"
+        f"wrote {out}.predictions.jsonl and {out}.metrics.json"
+    )
+    return 0
+
+
+def _show(record: dict, top_k: int) -> str:
+    lines = [
+        f"answer: {record['prediction']!r}  (from {record['block']['title']!r}, "
+        f"score {record['score']:.2f})"
+    ]
+    for b in record["top_blocks"][:top_k]:
+        lines.append(f"  [{b['score']:8.3f}] {b['title']} (block {b['id']})")
+    return "\n".join(lines)
+
+
+def ask(config, args) -> int:
+    """`realm-jax ask` with a QA config: the predicted answer span and the blocks it read;
+    with no question, an interactive prompt (one question a line, empty line or EOF ends)."""
+    predictor, params, source = open_predictor(config, args.workdir, args.retriever)
+    if args.top_k < 1:
+        raise ValueError(f"--top_k must be at least 1, got {args.top_k}")
+    log.info("answering with the %s", source)
+
+    def answer(question: str) -> None:
+        records, _ = predictor.run(params, [QAExample(question, ())], 1)
+        print(_show(records[0], args.top_k), flush=True)
+
+    if args.question:
+        answer(" ".join(args.question))
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("question> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        answer(line.strip())

@@ -7,6 +7,7 @@ metrics. A fix here (checkpointing, the stop signal, logging) lands once for all
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -47,14 +48,64 @@ class Task:
     close: Callable[[], None] | None = None
 
 
-def init_or_resume(mgr, state, shardings, it, data_args):
+# config.model fields that say how the networks compute, not what a checkpoint holds: a resume
+# may change them (the init_* weight sources are read only before the first checkpoint).
+UNFINGERPRINTED_MODEL_FIELDS = ("dtype", "remat", "dropout", "proj_dropout")
+
+
+def _flat(prefix: str, tree, out: dict) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _flat(f"{prefix}.{k}", v, out)
+        else:
+            out[f"{prefix}.{k}"] = v
+
+
+def fingerprint(config, data_dir: str) -> dict:
+    """What a run's checkpoints depend on, as flat "field": value pairs (JSON values): the
+    task, the model's architecture (config.model but the weight sources and the fields in
+    UNFINGERPRINTED_MODEL_FIELDS), the prepared data's identity (its summary's fingerprint,
+    config and counts, under "prepared.") and what the data iterator's saved state depends on
+    (train.batch_size, data.seed). init_or_resume compares it with the checkpoint's."""
+    model = {
+        k: v
+        for k, v in config.model.to_dict().items()
+        if not k.startswith("init_") and k not in UNFINGERPRINTED_MODEL_FIELDS
+    }
+    for k, v in model.items():
+        if isinstance(v, dict):
+            model[k] = {f: x for f, x in v.items() if f not in UNFINGERPRINTED_MODEL_FIELDS}
+    from realm_jax.data import prepared  # TFDS: not for every command that imports the loop
+
+    out = {"task": config.get("task", "")}
+    _flat("model", model, out)
+    summary = prepared.load_summary(data_dir)
+    out["prepared.fingerprint"] = summary.get("fingerprint")
+    _flat("prepared.config", summary.get("config", {}), out)
+    _flat("prepared.counts", summary.get("counts", {}), out)
+    out["train.batch_size"] = config.train.batch_size
+    out["data.seed"] = config.data.seed
+    return json.loads(json.dumps(out))  # tuples as lists: as it reads back from the metadata
+
+
+def init_or_resume(mgr, state, shardings, it, data_args, *, fingerprint=None):
     """(start step, state): resume from the newest restorable checkpoint (weights, optimizer
     and data iterator), else keep the given (scratch or warm-started) state and save it as
     step 0, which the refresh job embeds first. `data_args` are pipeline's iterator
-    (save_args, restore_args) functions."""
+    (save_args, restore_args) functions.
+
+    `fingerprint` (fingerprint(config, data_dir)) is checked against the checkpoint's before
+    it is restored (checkpoint.CheckpointMismatch when the config or the data changed) and
+    recorded in every checkpoint this run saves. A damaged newest checkpoint is moved aside and
+    the run resumes from the one before (checkpoint.restore_latest)."""
     save_args, restore_args = data_args
+    if fingerprint is not None:
+        mgr.fingerprint = fingerprint  # every later checkpoint.save records it
     restored = checkpoint.restore_latest(
-        mgr, checkpoint.abstract_like(state, shardings), lambda: restore_args(it)
+        mgr,
+        checkpoint.abstract_like(state, shardings),
+        lambda: restore_args(it),
+        fingerprint=fingerprint,
     )
     if restored is not None:
         log.info("resumed from checkpoint %d", restored[0])

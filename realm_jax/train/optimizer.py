@@ -71,3 +71,13 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
         ),
         *extra,
     )
+
+
+def freeze_networks(optimizer, names) -> optax.GradientTransformation:
+    """`optimizer` for every top-level network but the named ones, which never change (no
+    update, no weight decay, no optimizer state): fine-tuning's frozen document embedder."""
+
+    def labels(params):
+        return {k: "frozen" if k in names else "train" for k in params}
+
+    return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)

@@ -13,6 +13,7 @@ from flax import linen as nn
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
+from realm_jax.index.corpus import abstract_params
 from realm_jax.model import hf_import as weights
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.inputs import dummy_input
@@ -21,18 +22,36 @@ from realm_jax.model.realm import RetrieverModel, doc_embedder_name
 log = logging.getLogger("realm_jax.train")
 
 
-def params_hook(config, reader: bool = True):
+def params_hook(config, reader: bool = True, span_head: bool = False):
     """Weight import named in config.model: HF folders for the embedders and the reader, then
     an ICT checkpoint for both embedders (None when nothing to import). Resuming a run
     restores its own weights instead (the loop calls this only for a fresh run)."""
     m = config.model
-    if not (m.init_embedder_from or (reader and m.init_reader_from) or m.init_embedders_from_ict):
+    if not (
+        m.init_embedder_from
+        or (reader and m.init_reader_from)
+        or m.init_embedders_from_ict
+        or (reader and m.init_from_realm)
+    ):
         return None
     ecfg = ModelConfig.from_config(m, "embedder")
     rcfg = ModelConfig.from_config(m, "reader")
+    # A wrong path fails now, before the model is built and compiled.
+    for path in (m.init_embedder_from, m.init_reader_from if reader else ""):
+        if path:
+            weights.check_folder(path)
+    if m.init_embedders_from_ict:
+        _read_only_manager(
+            m.init_embedders_from_ict, "model.init_embedders_from_ict", "`realm-jax ict`"
+        )
+    if reader and m.init_from_realm:
+        _read_only_manager(m.init_from_realm, "model.init_from_realm", "`realm-jax train` (REALM)")
 
     def hook(params):
         params = dict(params)
+        if reader and m.init_from_realm:  # first: the folders below may replace a network
+            for name, loaded in realm_params(m.init_from_realm, config).items():
+                params[name] = weights.merge_params(params[name], loaded, name)
         if m.init_embedder_from:
             loaded, fields = weights.embedder_params(m.init_embedder_from)
             weights.check_fields(ecfg, fields, m.init_embedder_from, "config.model.embedder")
@@ -40,7 +59,11 @@ def params_hook(config, reader: bool = True):
                 params[name] = weights.merge_params(params[name], loaded, name)
             log.info("imported both embedders from %s", m.init_embedder_from)
         if reader and m.init_reader_from:
-            loaded, fields = weights.reader_params(m.init_reader_from, with_span_head=False)
+            # the span head comes too where the folder has one (a RealmReader) and the task
+            # uses it (fine-tuning); pre-training's is never trained
+            loaded, fields = weights.reader_params(
+                m.init_reader_from, with_span_head=None if span_head else False
+            )
             weights.check_fields(rcfg, fields, m.init_reader_from, "config.model.reader")
             params["reader"] = weights.merge_params(params["reader"], loaded, "reader")
             log.info("imported the reader from %s", m.init_reader_from)
@@ -54,19 +77,42 @@ def params_hook(config, reader: bool = True):
     return hook
 
 
+def realm_params(path: str, config) -> dict:
+    """{network name: host params} of all three networks in a REALM pre-training workdir's
+    newest checkpoint (fine-tuning's warm start). Shapes come from this run's config, so the
+    architectures must match."""
+    mgr = _read_only_manager(path, "model.init_from_realm", "`realm-jax train` (REALM)")
+    step = mgr.latest_step()
+    one = ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (1, 1)})
+    mesh = sharding.make_mesh(one, devices=jax.devices()[:1])
+    ecfg = ModelConfig.from_config(config.model, "embedder")
+    out = {}
+    for name in dict.fromkeys(("query_embedder", doc_embedder_name(ecfg), "reader")):
+        _, target = abstract_params(config, mesh, name)
+        if name == "reader":  # pre-training never trains the span head: it starts afresh,
+            target = {k: v for k, v in target.items() if k != "span"}  # any size (ORQA too)
+        out[name] = jax.device_get(checkpoint.restore_params_subtree(mgr, step, name, target))
+    log.info("warm start: all three networks from REALM checkpoint %d in %s", step, path)
+    return out
+
+
+def _read_only_manager(path: str, field: str, what: str):
+    """A read-only manager over a run's checkpoints; a clear error when it has none."""
+    if not os.path.isdir(paths.checkpoint_dir(path)):
+        raise FileNotFoundError(
+            f"{field}={path!r}: no checkpoints folder there (give the workdir of a {what} run)"
+        )
+    mgr = checkpoint.manager(path, with_data=False, read_only=True)
+    if not mgr.all_steps():
+        raise FileNotFoundError(f"{field}={path!r}: no checkpoint yet")
+    return mgr
+
+
 def ict_embedder_params(path: str, ecfg) -> dict:
     """{network name: host params} of both embedders from an ICT workdir's newest checkpoint
     (ICT trains the same Embedder modules under the same names; an ICT run with shared
     embedders gives its one embedder to both)."""
-
-    if not os.path.isdir(paths.checkpoint_dir(path)):
-        raise FileNotFoundError(
-            f"model.init_embedders_from_ict={path!r}: no checkpoints folder there (give the "
-            "workdir of a `realm-jax ict` run)"
-        )
-    mgr = checkpoint.manager(path, with_data=False, read_only=True)
-    if not mgr.all_steps():
-        raise FileNotFoundError(f"model.init_embedders_from_ict={path!r}: no checkpoint yet")
+    mgr = _read_only_manager(path, "model.init_embedders_from_ict", "`realm-jax ict`")
     step = mgr.latest_step()
     names = restore_embedders(mgr, step, ecfg)
     log.info("warm start: both embedders from ICT checkpoint %d in %s", step, path)

@@ -1,0 +1,132 @@
+"""Open-domain QA data: question files split by held-out article, encoded to fixed arrays, and
+the shuffled, resumable training batches.
+
+Arrays: question_ids [N, query_len] (`[CLS] question [SEP]`, zero-padded); answer_ids
+[N, qa.max_answers, qa.answer_len] (each answer's wordpieces, zero-padded; answers longer
+than qa.answer_len, or past max_answers, are left out of the token table: they can still be
+scored by exact match on the host, never found on device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grain
+import numpy as np
+
+from realm_jax import tokenization as tk
+from realm_jax.data import pipeline, prepared
+from realm_jax.qa.answers import QAExample, read_questions
+
+log = logging.getLogger("realm_jax.qa")
+
+HOLDOUTS = ("none", "train", "heldout")
+
+
+def held_out_titles(data_dir: str):
+    """A predicate: whether a title is one of the prepared data's held-out articles (the same
+    hash split `prepare` used, read from its summary)."""
+    built = prepared.load_summary(data_dir)["config"]
+    fraction, seed = float(built["eval_fraction"]), int(built["seed"])
+    return lambda title: prepared.is_eval(title, fraction, seed)
+
+
+def load_questions(path: str, fmt: str, holdout: str, data_dir: str) -> list[QAExample]:
+    """A question file, optionally split by article: holdout "train" keeps the questions
+    about articles that `prepare` did not hold out, "heldout" those about held-out articles
+    (so fine-tuning never sees a dev article), "none" keeps all."""
+    if holdout not in HOLDOUTS:
+        raise ValueError(f"qa holdout must be one of {HOLDOUTS}, got {holdout!r}")
+    examples = read_questions(path, fmt)
+    if holdout == "none":
+        return examples
+    untitled = [e.source for e in examples if not e.title]
+    if untitled:
+        raise ValueError(
+            f"{untitled[0]}: no title, so the question cannot be split by article; give "
+            "SQuAD-style JSONL with a 'title' field or set the holdout to 'none'"
+        )
+    is_held = held_out_titles(data_dir)
+    want = holdout == "heldout"
+    kept = [e for e in examples if is_held(e.title) == want]
+    if not kept:
+        raise ValueError(f"{path}: no question left for the {holdout!r} split")
+    return kept
+
+
+def encode(examples: list[QAExample], query_len: int, answer_len: int, max_answers: int):
+    """(arrays dict, number of examples with at least one answer in the token table)."""
+    n = len(examples)
+    questions = tk.wordpieces([e.question for e in examples])
+    q = np.zeros((n, query_len), np.int32)
+    a = np.zeros((n, max_answers, answer_len), np.int32)
+    flat = [(i, s) for i, e in enumerate(examples) if not e.is_regex for s in e.answers]
+    pieces = tk.wordpieces([s for _, s in flat]) if flat else []
+    used = np.zeros((n,), np.int32)
+    seen: set[tuple] = set()  # (example, wordpieces): the same answer pieces once
+    for (i, _), enc in zip(flat, pieces, strict=True):
+        key = (i, tuple(enc.ids))
+        if 0 < len(enc.ids) <= answer_len and used[i] < max_answers and key not in seen:
+            seen.add(key)
+            a[i, used[i], : len(enc.ids)] = enc.ids
+            used[i] += 1
+    for i, enc in enumerate(questions):
+        q[i] = tk.pad_to(tk.query_ids(enc.ids, query_len), query_len)
+    return {"question_ids": q, "answer_ids": a}, int((used > 0).sum())
+
+
+@dataclasses.dataclass
+class ArraySource:
+    """A grain data source over in-memory arrays of equal first dimension."""
+
+    arrays: dict
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[i] for k, v in self.arrays.items()}
+
+
+class _Identity(grain.transforms.Map):
+    def map(self, x):
+        return x
+
+
+def train_loader(config, arrays: dict) -> grain.DataLoader:
+    """Shuffled batches of this process's share of the training questions, epoch after epoch
+    (resumable: the iterator state is saved with every checkpoint)."""
+    keep = (arrays["answer_ids"] != 0).any(axis=(1, 2))  # a question no block can answer
+    arrays = {k: v[keep] for k, v in arrays.items()}  # adds nothing to either loss
+    return pipeline.shuffled_batches(
+        ArraySource(arrays),
+        _Identity(),
+        what="training questions with an answer of at most qa.answer_len wordpieces",
+        global_batch_size=config.train.batch_size,
+        seed=config.data.seed,
+        worker_count=0,
+    )
+
+
+def training_questions(config, data_dir: str) -> tuple[list[QAExample], dict]:
+    """The fine-tuning questions and their arrays; logs how many can be learnt from."""
+    q = config.qa
+    examples = load_questions(q.train_file, q.format, q.train_holdout, data_dir)
+    arrays, usable = encode(examples, config.data.query_len, q.answer_len, q.max_answers)
+    log.info(
+        "%d training questions from %s (%d with an answer of <= %d wordpieces)",
+        len(examples),
+        q.train_file,
+        usable,
+        q.answer_len,
+    )
+    return examples, arrays
+
+
+def dev_questions(config, data_dir: str) -> list[QAExample]:
+    """The dev questions of the periodic evaluation (the first qa.eval_examples; 0 = all)."""
+    q = config.qa
+    examples = load_questions(q.dev_file, q.format, q.dev_holdout, data_dir)
+    n = int(config.train.eval_examples)
+    return examples[:n] if n > 0 else examples

@@ -1,0 +1,216 @@
+"""Open-domain QA predictions and their scores, for the periodic dev evaluation of
+`finetune`, for `evaluate` and for `ask`.
+
+A question retrieves blocks (dense: exact MIPS over the frozen index on device; bm25: bm25s
+over the same blocks on the host), the reader reads the top qa.reader_beam_size of them, and
+the best span of all is the prediction (ORQA's get_predictions). Its text is cut from the
+block's original text by the wordpieces' character offsets (ORQA maps back to original tokens
+the same way), so "69,197" comes back as written. Scores: exact match after ORQA's answer
+normalisation (regex match for CuratedTREC), and recall@k: some of the top k blocks holds an
+answer (string answers: their wordpieces, tested on device as in training; regex answers:
+a regex search of the block's text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from realm_jax import sharding
+from realm_jax import tokenization as tk
+from realm_jax.data import prepared
+from realm_jax.index.corpus import embed_blocks_fn, pad_index
+from realm_jax.qa import answers as qa_answers
+from realm_jax.qa import data as qa_data
+from realm_jax.qa import step as qa_step
+
+log = logging.getLogger("realm_jax.qa")
+
+RETRIEVERS = ("dense", "bm25")
+
+
+@dataclasses.dataclass
+class FrozenIndex:
+    """The frozen block embeddings and token table, row-sharded on device."""
+
+    emb: jax.Array  # [N padded, D]
+    tokens: jax.Array  # [N padded, Lb]
+    num_blocks: int
+
+    @classmethod
+    def put(cls, mesh, emb: np.ndarray, tokens: np.ndarray) -> FrozenIndex:
+        e, t = pad_index(emb, tokens, mesh)
+        return cls(sharding.put_rows(e, mesh), sharding.put_rows(t, mesh), len(tokens))
+
+    @classmethod
+    def embed(cls, mesh, model, params, tokens: np.ndarray, batch_size: int):
+        """Embed every block with the document embedder in `params` -> (index, host emb)."""
+        _, t = pad_index(None, tokens, mesh)
+        t = sharding.put_rows(t, mesh)
+        emb = embed_blocks_fn(model, mesh, batch_size)(params, t)
+        host = np.asarray(jax.device_get(emb), np.float32)[: len(tokens)]
+        return cls(emb, t, len(tokens)), host
+
+
+def span_text(title: str, text: str, tokens, start: int, end: int) -> str:
+    """The original text of block-token positions start..end (a block is `[CLS] title [SEP]
+    body [SEP]`): cut from the title or body by wordpiece offsets, else (a span across the
+    two, or wordpieces that do not re-tokenise the same) the wordpieces joined."""
+    tokens = [int(t) for t in tokens]
+    if not 0 < start <= end < len(tokens):
+        return ""
+    sep = tokens.index(tk.SEP_ID) if tk.SEP_ID in tokens else len(tokens)
+    for src, first in ((title, 1), (text, sep + 1)):
+        enc = tk.wordpieces([src])[0]
+        a, b = start - first, end - first
+        if 0 <= a <= b < len(enc.ids) and enc.ids[a : b + 1] == tokens[start : end + 1]:
+            return src[enc.offsets[a][0] : enc.offsets[b][1]]
+    return tk.decode(tokens[start : end + 1])
+
+
+class Predictor:
+    """Predictions for batches of questions with one retriever over a frozen index."""
+
+    def __init__(self, config, mesh, model, index: FrozenIndex, data_dir: str, retriever: str):
+        if retriever not in RETRIEVERS:
+            raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
+        q = config.qa
+        self.config, self.mesh, self.index, self.retriever = config, mesh, index, retriever
+        self.ks = tuple(sorted({int(k) for k in q.recall_ks}))
+        self.reader_beam = int(q.reader_beam_size)
+        self.depth = min(max(self.ks + (self.reader_beam,)), index.num_blocks)
+        self.blocks = prepared.blocks_source(data_dir)
+        kw = dict(model=model, mesh=mesh)
+        self._predict = jax.jit(
+            functools.partial(qa_step.predict, length=qa_step.reader_len(config), **kw)
+        )
+        self._search = jax.jit(
+            functools.partial(qa_step.search, k=self.depth, num_valid=index.num_blocks, **kw)
+        )
+        self._has = jax.jit(functools.partial(qa_step.block_has_answer, mesh=mesh))
+        self._bm25 = None
+        self._texts: dict[int, str] = {}
+
+    def _block(self, i: int) -> dict:
+        return self.blocks[int(i)]
+
+    def bm25(self):
+        """The BM25 retriever over every block's "title\\ntext" (built once, on first use)."""
+        if self._bm25 is None:
+            from realm_jax.index.bm25 import BM25Retriever
+
+            t0 = time.perf_counter()
+            recs = self.blocks.__getitems__(range(self.index.num_blocks))
+            self._bm25 = BM25Retriever(
+                [f"{r['title'].decode()}\n{r['text'].decode()}" for r in recs]
+            )
+            log.info("BM25 index over %d blocks: %.1f s", len(recs), time.perf_counter() - t0)
+        return self._bm25
+
+    def _retrieve(self, params, questions: list[str], q_ids):
+        """(block ids [B, depth] int32, scores [B, depth]) from the configured retriever."""
+        if self.retriever == "dense":
+            ids, scores = self._search(params, q_ids, self.index.emb, self.index.tokens)
+            return np.asarray(ids), np.asarray(scores)
+        real = [i for i, t in enumerate(questions) if t]  # the batch's padding rows stay 0
+        ids = np.zeros((len(questions), self.depth), np.int32)
+        scores = np.zeros((len(questions), self.depth), np.float32)
+        if real:
+            found, s = self.bm25().search([questions[i] for i in real], self.depth)
+            ids[real], scores[real] = found, s
+        return ids, scores
+
+    def run(self, params, examples: list[qa_answers.QAExample], batch_size: int, read=True):
+        """(one record per question, metrics) for the examples, in order. read=False:
+        retrieval alone (recall@k; no reader, and for BM25 no model at all)."""
+        d, q = self.config.data, self.config.qa
+        records, hits = [], []
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i : i + batch_size]
+            padded = chunk + [qa_answers.QAExample("", ("",))] * (batch_size - len(chunk))
+            arrays, _ = qa_data.encode(padded, d.query_len, q.answer_len, q.max_answers)
+            q_ids = arrays["question_ids"]
+            ids, scores = self._retrieve(params, [e.question for e in padded], q_ids)
+            pred = None
+            if read:
+                pred = jax.device_get(
+                    self._predict(
+                        params, q_ids, ids[:, : self.reader_beam], self.index.emb, self.index.tokens
+                    )
+                )
+            has = np.array(self._has(ids, arrays["answer_ids"], self.index.tokens))  # writable
+            for b, ex in enumerate(chunk):
+                if ex.is_regex:  # regex answers: search the blocks' text on the host
+                    has[b] = [self._regex_in_block(ex.answers, j) for j in ids[b]]
+                if read:
+                    records.append(self._record(ex, ids[b], pred, b))
+                else:
+                    records.append(self._retrieved(ex, ids[b], scores[b], has[b]))
+                hits.append(has[b])
+        hits = np.asarray(hits, bool).reshape(len(records), -1)
+        metrics = {"questions": float(len(records))}
+        if read:
+            metrics["exact_match"] = float(np.mean([r["correct"] for r in records] or [0.0]))
+        for k in self.ks:
+            metrics[f"recall@{k}"] = float(hits[:, :k].any(axis=1).mean()) if records else 0.0
+        return records, metrics
+
+    def _regex_in_block(self, patterns, block_id: int) -> bool:
+        if block_id not in self._texts:
+            rec = self._block(block_id)
+            self._texts[block_id] = f"{rec['title'].decode()}\n{rec['text'].decode()}"
+        return any(qa_answers.regex_in_text(p, self._texts[block_id]) for p in patterns)
+
+    def _retrieved(self, ex, ids, scores, has) -> dict:
+        top = [
+            {
+                "id": int(i),
+                "title": self._block(i)["title"].decode(),
+                "score": float(s),
+                "has_answer": bool(h),
+            }
+            for i, s, h in zip(ids[: self.reader_beam], scores, has, strict=False)
+        ]
+        return {"question": ex.question, "gold": list(ex.answers), "top_blocks": top}
+
+    def _record(self, ex, ids, pred, b: int) -> dict:
+        r = int(pred["best_block"][b])
+        rec = self._block(ids[r])
+        title = rec["title"].decode()
+        answer = span_text(
+            title,
+            rec["text"].decode(),
+            rec["token_ids"],
+            int(pred["start"][b]),
+            int(pred["end"][b]),
+        )
+        top = []
+        for j in range(self.reader_beam):
+            t = self._block(ids[j])["title"].decode()
+            top.append({"id": int(ids[j]), "title": t, "score": float(pred["relevance"][b, j])})
+        return {
+            "question": ex.question,
+            "prediction": answer,
+            "gold": list(ex.answers),
+            "correct": bool(ex.answers and qa_answers.is_correct(ex.answers, answer, ex.is_regex)),
+            "block": {"id": int(ids[r]), "title": title, "text": rec["text"].decode()},
+            "score": float(pred["score"][b]),
+            "top_blocks": top,
+        }
+
+
+class DevEvaluator:
+    """The periodic dev evaluation of `finetune` (dense retrieval, current params)."""
+
+    def __init__(self, config, predictor: Predictor, examples):
+        self.predictor, self.examples = predictor, examples
+        self.batch_size = int(config.train.eval_batch_size)
+
+    def __call__(self, state, step: int) -> dict[str, float]:
+        _, metrics = self.predictor.run(state.params, self.examples, self.batch_size)
+        return metrics

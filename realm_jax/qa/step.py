@@ -1,0 +1,289 @@
+"""ORQA fine-tuning on REALM's machinery: one jitted, sharded step.
+
+As ORQA (language/orqa/models/orqa_model.py): the block embeddings are frozen (the index), the
+query embedder and the reader train. The question retrieves the top `retriever_beam_size`
+blocks by exact MIPS over the row-sharded index (shard_map, as pre-training); the retriever
+loss is the marginal log-likelihood of the blocks that contain an answer; the top
+`reader_beam_size` blocks are read as `[CLS] question [SEP] title [SEP] body [SEP]` and every
+span of up to max_span_width wordpieces inside the block is scored (span head + the block's
+retrieval score); the reader loss is the marginal over spans equal to an answer.
+
+Where we differ on purpose:
+- Answer containment is tested on device against the token table: an answer "is in" a block
+  when its wordpieces occur there consecutively (the same test ORQA's reader_inputs op uses
+  for gold spans). ORQA's has_answer op searches the raw block string instead; on device there
+  is no string, and a token match cannot fire inside a longer word ("art" in "party").
+- A batch holds many questions (ORQA's model_fn takes one); the loss is their mean.
+
+Shapes: B questions, A answers of up to La wordpieces each (zero-padded), k retrieved blocks,
+R read blocks, S candidate spans, Lq / Lb / Lr question / block / reader lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from realm_jax import sharding
+from realm_jax.index.corpus import embed_query_tokens
+from realm_jax.model.inputs import (
+    build_joint,
+    check_fits,
+    dropout_kwargs,
+    init_inputs,
+    joint_len,
+)
+from realm_jax.model.realm import RealmModel, realm_model
+from realm_jax.ops import mips
+from realm_jax.qa.losses import orqa_loss
+from realm_jax.tokenization import SEP_ID
+from realm_jax.train.optimizer import freeze_networks, make_optimizer
+from realm_jax.train.state import TrainState, create_sharded, guarded_update
+
+# The networks fine-tuning leaves as they are: the document embedder made the frozen index.
+FROZEN = ("doc_embedder",)
+
+
+def answer_starts(tokens, answers):
+    """Where each answer's wordpieces start in each sequence.
+
+    tokens [..., K, L] int; answers [..., A, La] int (wordpiece ids, zero-padded; an all-zero
+    row is no answer) -> [..., K, A, L] bool: answer a occurs at positions p .. p+len-1 of
+    sequence k. Leading dims broadcast (one question's answers against its K sequences)."""
+    A, La = answers.shape[-2:]
+    L = tokens.shape[-1]
+    alen = (answers != 0).sum(-1)  # [..., A]
+    pad = jnp.full(tokens.shape[:-1] + (La,), -1, tokens.dtype)
+    ext = jnp.concatenate([tokens, pad], axis=-1)[..., :, None, :]  # [..., K, 1, L + La]
+    ok = jnp.broadcast_to((alen > 0)[..., None, :, None], ext.shape[:-2] + (A, L))
+    for j in range(La):
+        piece = answers[..., None, :, j, None]  # [..., 1, A, 1]
+        needed = (j < alen)[..., None, :, None]
+        ok = ok & ((ext[..., j : j + L] == piece) | ~needed)
+    return ok
+
+
+def contains_answer(tokens, answers):
+    """tokens [B, K, L], answers [B, A, La] -> [B, K] bool: some answer occurs in the block."""
+    return answer_starts(tokens, answers).any(axis=(-1, -2))
+
+
+def reader_input(question_ids, block_tokens, length: int):
+    """`[CLS] question [SEP] title [SEP] body [SEP]` of `length` tokens for every block, and
+    the block mask (the title and body wordpieces, where spans may lie).
+
+    question_ids [B, Lq], block_tokens [B, R, Lb] -> (ids, segs, mask, block_mask), each
+    [B, R, length]. As ORQA's reader_inputs op, a block cut by the length still ends with
+    [SEP]."""
+    ids, segs, mask = build_joint(question_ids, block_tokens, length)
+    ids = ids.at[..., -1].set(jnp.where(ids[..., -1] != 0, SEP_ID, 0))
+    block_mask = (segs == 1) & (ids != SEP_ID)
+    return ids, segs, mask, block_mask
+
+
+def span_correct(joint_ids, block_mask, answers, starts, ends):
+    """[B, R, S] True where span s of block r is an answer: its wordpieces, inside the block,
+    equal some answer's (ORQA: gold spans found in the reader input, matched to candidates)."""
+    match = answer_starts(joint_ids, answers) & block_mask[..., None, :]  # [B,R,A,L]
+    alen = (answers != 0).sum(-1)  # [B, A]
+    width = jnp.asarray(ends - starts + 1)
+    hit = match[..., jnp.asarray(starts)] & (width[None, None, None] == alen[:, None, :, None])
+    return hit.any(axis=2)
+
+
+def retrieve(params, question_ids, index_emb, index_tokens, *, model, mesh, k, num_valid, rng=None):
+    """Top-k blocks by exact MIPS: (block ids [B, k], retrieval logits [B, k] (differentiable
+    in the query embedder; the index is frozen), block tokens [B, k, Lb])."""
+    q = embed_query_tokens(model, params, question_ids, rng)  # [B, D]
+    none = jnp.full((q.shape[0],), -1, jnp.int32)
+    _, ids, tokens = mips.search_and_fetch(
+        mesh, jax.lax.stop_gradient(q), index_emb, index_tokens, none, k=k, num_valid=num_valid
+    )
+    rows = mips.fetch_rows(mesh, index_emb, ids)  # [B, k, D]
+    return ids, jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype)), tokens
+
+
+def read(params, question_ids, block_tokens, *, model, length: int, rng=None):
+    """The reader's span scores: (logits [B, R, S] (float32 min outside the block), starts
+    [S], ends [S] (reader positions), reader ids [B, R, length], block mask [B, R, length])."""
+    B, R, _ = block_tokens.shape
+    ids, segs, mask, bmask = reader_input(question_ids, block_tokens, length)
+
+    def flat(x):
+        return x.reshape(B * R, length)
+
+    logits, starts, ends = model.apply(
+        {"params": params},
+        flat(ids),
+        flat(segs),
+        flat(mask),
+        flat(bmask),
+        method=RealmModel.span_logits,
+        **dropout_kwargs(rng, 2),
+    )
+    return logits.reshape(B, R, -1), starts, ends, ids, bmask
+
+
+def qa_loss(params, batch, index_emb, index_tokens, *, model, mesh, beams, length, num_valid, rng):
+    """ORQA's loss for a batch of questions; returns (loss, metrics). beams = (retriever beam
+    k, reader beam R)."""
+    k, R = beams
+    q_ids, answers = batch["question_ids"], batch["answer_ids"]
+    _, r_logits, tokens = retrieve(
+        params,
+        q_ids,
+        index_emb,
+        index_tokens,
+        model=model,
+        mesh=mesh,
+        k=k,
+        num_valid=num_valid,
+        rng=rng,
+    )
+    r_correct = contains_answer(tokens, answers)  # [B, k]
+    logits, starts, ends, j_ids, bmask = read(
+        params, q_ids, tokens[:, :R], model=model, length=length, rng=rng
+    )
+    s_correct = span_correct(j_ids, bmask, answers, starts, ends)  # [B, R, S]
+    rel = r_logits[:, :R]
+    total, retriever, reader = orqa_loss(r_logits, r_correct, logits, s_correct, rel)
+    B = q_ids.shape[0]
+    joint = (logits + rel[..., None]).reshape(B, -1)
+    best = jnp.argmax(joint, axis=-1)
+    metrics = {
+        "loss": total.mean(),
+        "retriever_loss": retriever.mean(),
+        "reader_loss": reader.mean(),
+        # ORQA's training-time metrics: the predicted span is an answer (token level), some
+        # read span is (reader oracle), some retrieved / top-R block holds one
+        "exact_match": jnp.take_along_axis(s_correct.reshape(B, -1), best[:, None], 1).mean(),
+        "reader_oracle": s_correct.any(axis=(1, 2)).mean(),
+        "retriever_recall": r_correct.any(axis=1).mean(),
+        "reader_beam_recall": r_correct[:, :R].any(axis=1).mean(),
+    }
+    return metrics["loss"], metrics
+
+
+def train_step(state: TrainState, batch, index_emb, index_tokens, *, model, optimizer, seed, **kw):
+    """One optimizer step; returns (new state, metrics)."""
+    rng = None
+    if model.uses_dropout:
+        rng = jax.random.fold_in(jax.random.key(seed), state.step)
+    loss_fn = functools.partial(qa_loss, model=model, rng=rng, **kw)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, batch, index_emb, index_tokens
+    )
+    new_state = guarded_update(state, grads, metrics, optimizer)
+    for name in grads:
+        if name not in FROZEN:
+            metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
+    return new_state, metrics
+
+
+def reader_len(config) -> int:
+    """qa.reader_len, or the pre-training joint length when 0."""
+    return int(config.qa.reader_len) or joint_len(config)
+
+
+def step_kwargs(config, mesh: Mesh, num_valid: int) -> dict:
+    """The static arguments of qa_loss / train_step that the config decides."""
+    q = config.qa
+    return dict(
+        mesh=mesh,
+        beams=(int(q.retriever_beam_size), int(q.reader_beam_size)),
+        length=reader_len(config),
+        num_valid=num_valid,
+    )
+
+
+def check_config(config, model: RealmModel, num_blocks: int, mesh: Mesh) -> None:
+    """Beams, lengths and the corpus agree (a clear error before any work)."""
+    q = config.qa
+    k, R = int(q.retriever_beam_size), int(q.reader_beam_size)
+    if not 1 <= R <= k:
+        raise ValueError(
+            f"qa.reader_beam_size ({R}) must be between 1 and qa.retriever_beam_size ({k})"
+        )
+    if k > num_blocks:
+        raise ValueError(
+            f"qa.retriever_beam_size = {k} exceeds the corpus ({num_blocks} blocks): lower it"
+        )
+    Lr = reader_len(config)
+    if Lr < config.data.query_len + 3:
+        raise ValueError(f"qa.reader_len = {Lr} leaves no room for a block after the question")
+    check_fits("qa.reader_len", Lr, model.cfg, "reader")
+    check_fits("data.query_len", config.data.query_len, model.ecfg, "embedder")
+
+
+def create_state(config, mesh: Mesh, rng, params_hook=None):
+    """(model, optimizer, state, shardings): all three networks in the state (checkpoints
+    look like pre-training's), the document embedder frozen by the optimizer."""
+    model = realm_model(config.model)
+    optimizer = freeze_networks(make_optimizer(config.train), FROZEN)
+    d = config.data
+    inputs = init_inputs(d.query_len, d.block_len, reader_len(config))
+    state, shardings = create_sharded(
+        mesh, lambda r: model.init(r, *inputs)["params"], optimizer, rng, params_hook
+    )
+    return model, optimizer, state, shardings
+
+
+def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, num_valid: int):
+    """jax.jit of train_step with explicit in/out shardings; the state is donated."""
+    fn = functools.partial(
+        train_step,
+        model=model,
+        optimizer=optimizer,
+        seed=config.train.seed,
+        **step_kwargs(config, mesh, num_valid),
+    )
+    rows = sharding.rows_sharding(mesh)
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh), rows, rows),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+
+
+def predict(params, question_ids, block_ids, index_emb, index_tokens, *, model, mesh, length):
+    """Read the given blocks (any retriever's: the dense top-R, BM25's) and pick the best span
+    of all, scored as in training (span score + the block's retrieval score, ORQA's
+    get_predictions). Returns a dict: relevance [B, R], best_block [B] (index into
+    block_ids), start / end [B] (block-token positions, the block's [CLS] at 0), score [B]."""
+    q = embed_query_tokens(model, params, question_ids)
+    rows = mips.fetch_rows(mesh, index_emb, block_ids)
+    tokens = mips.fetch_rows(mesh, index_tokens, block_ids)
+    rel = jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype))
+    logits, starts, ends, _, _ = read(params, question_ids, tokens, model=model, length=length)
+    B, _, S = logits.shape
+    joint = (logits + rel[..., None]).reshape(B, -1)
+    best = jnp.argmax(joint, axis=-1)
+    span = best % S
+    qlen = (question_ids != 0).sum(-1)  # reader position p holds block token p - qlen + 1
+    return {
+        "relevance": rel,
+        "best_block": best // S,
+        "start": jnp.asarray(starts)[span] - qlen + 1,
+        "end": jnp.asarray(ends)[span] - qlen + 1,
+        "score": jnp.max(joint, axis=-1),
+    }
+
+
+def search(params, question_ids, index_emb, index_tokens, *, model, mesh, k, num_valid):
+    """Dense top-k: (block ids [B, k], scores [B, k]), best first."""
+    q = embed_query_tokens(model, params, question_ids)
+    none = jnp.full((q.shape[0],), -1, jnp.int32)
+    scores, ids, _ = mips.search_and_fetch(
+        mesh, q, index_emb, index_tokens, none, k=k, num_valid=num_valid
+    )
+    return ids, scores
+
+
+def block_has_answer(block_ids, answers, index_tokens, *, mesh):
+    """[B, k] whether each block holds an answer (recall@k), for any retriever's ids."""
+    return contains_answer(mips.fetch_rows(mesh, index_tokens, block_ids), answers)
