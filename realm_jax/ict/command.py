@@ -4,40 +4,26 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 
 import jax
 
 from realm_jax import checkpoint, sharding
-from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
 from realm_jax.data import ict as ict_data
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import pipeline
 from realm_jax.ict.evaluation import IctEvaluator
 from realm_jax.ict.step import create_state, ict_step
-from realm_jax.lock import workdir_lock
 from realm_jax.train import loop
 from realm_jax.train.warm_start import params_hook
 
 log = logging.getLogger("realm_jax.ict")
 
 
-def train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
-    """ICT pre-training of the embedders; resumable. Returns the logged metrics. Holds the
-    workdir's trainer lock for the run (LockError when another trainer holds it)."""
-    with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
-        return _train(config, workdir, stop_event)
-
-
-def _train(config, workdir: str, stop_event: threading.Event | None) -> list[dict]:
-    os.makedirs(workdir, exist_ok=True)
+def _train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
+    """ICT pre-training of the embedders; resumable. Returns the logged metrics."""
     tc = config.train
-    mesh = sharding.make_mesh(config.mesh)
-    sharding.check_batch(tc.batch_size, mesh)
-    ddir = paths.data_dir(config, workdir)
-    prepared.check_prepared(config, ddir)
-    tokens, doc_ids, titles = prepared.load_blocks(ddir)
+    mesh, ddir, (tokens, doc_ids, titles) = loop.setup(config, workdir)
     train_ids = ict_data.train_block_ids(config.data, titles, doc_ids)
     log.info(
         "ICT: %d training blocks of %d; mesh %s", len(train_ids), len(titles), dict(mesh.shape)
@@ -73,6 +59,9 @@ def _train(config, workdir: str, stop_event: threading.Event | None) -> list[dic
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
     )
+
+
+train = loop.trainer_locked(_train)
 
 
 def command(config, args) -> int:

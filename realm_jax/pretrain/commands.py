@@ -5,7 +5,6 @@ commands."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -16,9 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from realm_jax import checkpoint, sharding
-from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import pipeline
 from realm_jax.index.feed import IndexFeed
 from realm_jax.lock import workdir_lock
 from realm_jax.pretrain import step as train_step
@@ -29,7 +27,7 @@ from realm_jax.train.warm_start import params_hook
 log = logging.getLogger("realm_jax.train")
 
 
-def train(
+def _train(
     config,
     workdir: str,
     stop_event: threading.Event | None = None,
@@ -38,28 +36,11 @@ def train(
     """Pre-train REALM; resumable. Returns the metrics logged by this run (one dict per log).
 
     health() is called while waiting for the first index and before every step; it raises
-    when something the run depends on has died (`local`'s refresh job). The workdir's trainer
-    lock is taken first (LockError when another trainer holds it), before any data or
-    checkpoint is touched."""
-    with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
-        return _train(config, workdir, stop_event, health)
-
-
-def _train(
-    config,
-    workdir: str,
-    stop_event: threading.Event | None,
-    health: Callable[[], None] | None,
-) -> list[dict]:
-    os.makedirs(workdir, exist_ok=True)
+    when something the run depends on has died (`local`'s refresh job)."""
     tc = config.train
-    mesh = sharding.make_mesh(config.mesh)
-    sharding.check_batch(tc.batch_size, mesh)
+    mesh, ddir, (tokens, _, titles) = loop.setup(config, workdir)  # tokens [N, Lb]
     if tc.eval_every > 0:
         sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
-    ddir = paths.data_dir(config, workdir)
-    prepared.check_prepared(config, ddir)
-    tokens, _, titles = prepared.load_blocks(ddir)  # [N, Lb]
     check_candidates(tc.num_candidates, tokens.shape[0], mesh)
     log.info(
         "mesh %s over %d devices (%d processes); %d blocks",
@@ -137,6 +118,9 @@ def check_candidates(num_candidates: int, num_blocks: int, mesh) -> None:
             f"{num_blocks} here (the null document + up to {num_blocks - 1} retrieved blocks "
             "of a corpus that excludes the query's own); lower train.num_candidates"
         )
+
+
+train = loop.trainer_locked(_train)  # `local` takes the lock itself, then calls _train
 
 
 CONSOLE_KEYS = (

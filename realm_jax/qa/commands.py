@@ -18,7 +18,6 @@ from realm_jax.data import pipeline, prepared
 from realm_jax.index import store
 from realm_jax.index.corpus import abstract_params
 from realm_jax.index.refresher import build_searcher
-from realm_jax.lock import workdir_lock
 from realm_jax.model.realm import realm_model
 from realm_jax.qa import data as qa_data
 from realm_jax.qa import step as qa_step
@@ -59,21 +58,10 @@ def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenInd
     return index
 
 
-def train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
-    """ORQA fine-tuning; resumable. Returns the logged metrics. Holds the workdir's trainer
-    lock for the run (LockError when another trainer holds it)."""
-    with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
-        return _train(config, workdir, stop_event)
-
-
-def _train(config, workdir: str, stop_event: threading.Event | None) -> list[dict]:
-    os.makedirs(workdir, exist_ok=True)
+def _train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
+    """ORQA fine-tuning; resumable. Returns the logged metrics."""
     tc = config.train
-    mesh = sharding.make_mesh(config.mesh)
-    sharding.check_batch(tc.batch_size, mesh)
-    ddir = paths.data_dir(config, workdir)
-    prepared.check_prepared(config, ddir)
-    tokens, _, _ = prepared.load_blocks(ddir)
+    mesh, ddir, (tokens, _, _) = loop.setup(config, workdir)
     qa_step.check_config(config, realm_model(config.model), len(tokens), mesh)
     _, arrays = qa_data.training_questions(config, ddir)
     dev = qa_data.dev_questions(config, ddir) if tc.eval_every > 0 else []
@@ -123,6 +111,9 @@ def _train(config, workdir: str, stop_event: threading.Event | None) -> list[dic
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
     )
+
+
+train = loop.trainer_locked(_train)
 
 
 def finetune(config, args) -> int:

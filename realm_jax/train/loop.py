@@ -7,8 +7,10 @@ metrics. A fix here (checkpointing, the stop signal, logging) lands once for all
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from jax.experimental import multihost_utils
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
+from realm_jax.lock import workdir_lock
 from realm_jax.train.metrics import MetricWriter, Progress, line
 
 log = logging.getLogger("realm_jax.train")
@@ -86,6 +89,33 @@ def fingerprint(config, data_dir: str) -> dict:
     out["train.batch_size"] = config.train.batch_size
     out["data.seed"] = config.data.seed
     return json.loads(json.dumps(out))  # tuples as lists: as it reads back from the metadata
+
+
+def trainer_locked(train_fn):
+    """A task's train(config, workdir, ...) that holds the workdir's trainer lock for the whole
+    run, taken before any data or checkpoint is touched (LockError when another trainer holds
+    it). Only process 0 locks."""
+
+    @functools.wraps(train_fn)
+    def train(config, workdir: str, *args, **kwargs):
+        with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
+            return train_fn(config, workdir, *args, **kwargs)
+
+    return train
+
+
+def setup(config, workdir: str):
+    """What every task does first: the workdir, the mesh (the global batch must divide over
+    it), the prepared data checked against the config. Returns (mesh, data dir, (tokens
+    [N, block_len], doc_ids, titles))."""
+    from realm_jax.data import prepared  # TFDS: not for every command that imports the loop
+
+    os.makedirs(workdir, exist_ok=True)
+    mesh = sharding.make_mesh(config.mesh)
+    sharding.check_batch(config.train.batch_size, mesh)
+    ddir = paths.data_dir(config, workdir)
+    prepared.check_prepared(config, ddir)
+    return mesh, ddir, prepared.load_blocks(ddir)
 
 
 def init_or_resume(mgr, state, shardings, it, data_args, *, fingerprint=None):
