@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
-.PHONY: venv test smoke lint format bench clean squad-qa
+.PHONY: venv test test-slow smoke lint format bench clean squad-qa peer-bench drills plan
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,25 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The TPU compiler (libtpu) lives in its own venv: `plan` and the slow tests compile for TPU
+# slices without a TPU; the default venv stays CPU-only.
+PLAN_VENV := .venv-plan
+PLAN_STAMP := $(PLAN_VENV)/.installed
+$(PLAN_STAMP): requirements.txt pyproject.toml
+	test -x $(PLAN_VENV)/bin/python || $(PYTHON) -m venv $(PLAN_VENV)
+	$(PLAN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PLAN_VENV)/bin/python -m pip install --quiet -r requirements.txt "jax[tpu]==0.10.2"
+	$(PLAN_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(PLAN_STAMP)
+
+# Long compiles (base for a 64-device TPU topology), marked slow and left out of `make test`.
+test-slow: $(PLAN_STAMP)
+	JAX_PLATFORMS=cpu $(PLAN_VENV)/bin/python -m pytest -q -m slow tests
+
+# Does base fit a pod slice? docs/benchmarks.md "Pod plan" (PLAN_ARGS="--only v3-64").
+plan: $(PLAN_STAMP)
+	JAX_PLATFORMS=cpu $(PLAN_VENV)/bin/python bench/plan_base.py $(PLAN_ARGS)
 
 # The main job on the bundled sample: prepare the data (idempotent), then trainer + refresher
 # together on 2 fake CPU devices. Starts from scratch each time (prepared data is reused).
@@ -41,6 +60,27 @@ squad-qa: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
+
+# Reliability drills (docs/reliability.md, "Drills"): kill -9 the trainer and the refresh job at
+# random moments, damage checkpoints, check what survived. About 20 minutes on 2 CPU cores;
+# DRILLS_ARGS="--quick" for a few minutes' check (it leaves the doc alone).
+drills: $(STAMP)
+	$(PY) bench/drills.py $(DRILLS_ARGS)
+
+# The peer benchmark (docs/benchmarks.md): HuggingFace transformers' REALM in its own venv.
+# torch is pinned to the CPU wheel and installed before transformers, so nothing pulls a
+# CUDA build. Options: make peer-bench PEER_ARGS="--quick".
+PEER_VENV := .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(PEER_VENV)/bin/python -m pip install --quiet transformers==4.57.6
+	touch $(PEER_STAMP)
+
+peer-bench: $(STAMP) $(PEER_STAMP)
+	$(PY) bench/peer_hf_realm.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
 
 clean:
 	rm -rf $(SMOKE_DIR) .pytest_cache

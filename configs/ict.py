@@ -40,3 +40,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t.checkpoint_every = {"smoke": 30, "small": 500, "base": 5000, "squad": 200}[variant]
     t.eval_examples = {"smoke": 256, "small": 2048, "base": 4096, "squad": 1024}[variant]
     return c
+
+
+def sweep():
+    """The query sentence's removal rate around ORQA's 0.9 x the LR (override dicts)."""
+    return [{"ict.mask_rate": rate, "train.lr": lr} for rate in (0.9, 1.0) for lr in (1e-4, 3e-4)]

@@ -72,3 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t.eval_batch_size = {"smoke": 8, "squad": 32}.get(variant, 64)
     t.eval_examples = {"smoke": 64, "squad": 500}.get(variant, 0)  # dev questions; 0 = all
     return c
+
+
+def sweep():
+    """Fine-tuning LR x the reader's beam (blocks read per question; ORQA: 5), as dicts."""
+    return [{"train.lr": lr, "qa.reader_beam_size": k} for lr in (1e-5, 3e-5) for k in (3, 5)]

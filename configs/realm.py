@@ -50,6 +50,7 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     m.share_embedders = False  # one network embeds queries and documents
     m.dtype = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     m.remat = False  # rematerialise each layer in the backward pass (saves activation memory)
+    m.remat_policy = "nothing"  # with remat, keep: nothing (layer inputs) or dots (matmul outputs)
     m.init_embedder_from = ""  # HF folder (RealmEmbedder / BertModel) for both embedders
     m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
     m.init_embedders_from_ict = ""  # ICT workdir (its newest checkpoint) or checkpoint folder
@@ -94,8 +95,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             init_reader_from=SHARED + "/models/bert-tiny-mlm",
             init_embedders_from_ict="runs/squad-ict",
         )
-    else:
-        c.model = _model({})
+    else:  # base: BERT-base x 3 at batch 512 fits a v3-64 slice only with remat and bf16
+        # activations (`realm-jax plan --topology v3-64`; docs/plan.md has the figures)
+        c.model = _model({}, remat=True, dtype="bfloat16")
 
     # ---------------------------------------------------------------- data
     c.data = ml_collections.ConfigDict()
@@ -115,11 +117,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.05  # share of titles (or doc ids) whose sentences are held out
     c.data.eval_split_key = "title"  # hold out by "title" (whole articles) or "doc_id"
     c.data.ner_processes = 1  # spaCy NER worker processes at prepare time (nlp.pipe n_process)
+    # prepare's engine: "local" (in process, the corpus in memory), "beam" (Apache Beam through
+    # TFDS, streaming; DirectRunner with a worker per core unless --beam_runner/--beam_options
+    # name another, e.g. Dataflow: tpu/README.md) or "auto" (Beam from beam_min_passages lines)
+    c.data.engine = "auto"  # "auto", "local" or "beam" (above)
+    c.data.beam_min_passages = 50_000  # auto: corpus lines from which Beam prepares
+    c.data.beam_chunk_kb = 1024  # Beam: corpus KiB one worker reads and blocks at a time
 
     # ---------------------------------------------------------------- mesh
     c.mesh = ml_collections.ConfigDict()
     c.mesh.axes = ("data", "model")  # mesh axis names
     c.mesh.shape = (-1, 1)  # sizes; -1 = all remaining devices
+    c.mesh.fsdp = False  # shard parameters and optimizer state over 'data' too (FSDP)
 
     # ---------------------------------------------------------------- train
     c.train = ml_collections.ConfigDict()
@@ -146,10 +155,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 20 if variant == "smoke" else 500  # steps between orbax saves
     c.train.keep_checkpoints = 3  # checkpoints kept
     c.train.eval_every = 50 if variant == "smoke" else 500  # steps between held-out evals; 0 off
-    c.train.eval_batch_size = 8 if variant == "smoke" else 32  # global batch of an evaluation
+    eval_batch = {"smoke": 8, "base": 512}.get(variant, 32)  # base: divides a pod's devices
+    c.train.eval_batch_size = eval_batch  # global batch of an evaluation
     c.train.eval_examples = 256 if variant == "smoke" else 1024  # held-out examples used (0 all)
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
     c.train.max_nonfinite = 5  # non-finite steps in a row (skipped) before the run stops
+    c.train.record_example_ids = False  # append each step's example ids to example_ids.jsonl
 
     # ---------------------------------------------------------------- index refresh
     c.refresh = ml_collections.ConfigDict()

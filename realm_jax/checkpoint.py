@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from realm_jax import fs
 from realm_jax import workdir as paths
 
 log = logging.getLogger(__name__)
@@ -294,20 +295,20 @@ def set_aside(mgr, steps) -> None:
         return
     ckpt_dir = os.fspath(mgr.directory)
     if jax.process_index() == 0:
-        dest_root = paths.damaged_checkpoint_dir(os.path.dirname(ckpt_dir))
-        os.makedirs(dest_root, exist_ok=True)
+        dest_root = paths.damaged_checkpoint_dir(fs.dirname(ckpt_dir))
+        fs.makedirs(dest_root)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         for step in steps:
-            src, dest = (
-                os.path.join(ckpt_dir, str(step)),
-                os.path.join(dest_root, f"{step}-{stamp}"),
-            )
+            src, dest = (fs.join(ckpt_dir, str(step)), fs.join(dest_root, f"{step}-{stamp}"))
             n = 1
-            while os.path.exists(dest):
+            while fs.exists(dest):
                 n += 1
-                dest = os.path.join(dest_root, f"{step}-{stamp}-{n}")
+                dest = fs.join(dest_root, f"{step}-{stamp}-{n}")
             try:
-                os.rename(src, dest)
+                # On gs:// a copy then a delete, not atomic: a reader may see the step half
+                # gone, which orbax already treats as damaged (its commit marker goes first or
+                # last); nothing here publishes.
+                fs.rename(src, dest)
             except OSError as e:
                 log.error("checkpoint %d: could not move it aside to %s: %s", step, dest, e)
                 continue

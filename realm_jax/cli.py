@@ -21,6 +21,8 @@ COMMANDS = {
     "finetune": "open-domain QA fine-tuning, ORQA style (configs/orqa.py)",
     "evaluate": "open-domain QA: exact match and recall@k of a fine-tuned workdir",
     "ask": "answer a question (QA workdir) or show its top blocks (pre-training workdir)",
+    "sweep": "run a config file's sweep() point by point (or on a TPU VM) and table it",
+    "plan": "compile the config's programs for a TPU slice ahead of time: does it fit?",
 }
 
 # command -> "module:function" (imported only when run). `train` and `local` depend on the
@@ -31,6 +33,7 @@ ENTRY = {
     "ict": "realm_jax.ict.command:command",
     "finetune": "realm_jax.qa.commands:finetune",
     "evaluate": "realm_jax.qa.commands:evaluate",
+    "plan": "realm_jax.plan:command",
 }
 TASK_COMMANDS = {
     "realm": {
@@ -79,9 +82,18 @@ def _parser() -> argparse.ArgumentParser:
             default=f"{default_config_path()}:smoke",
             help="config file and variant, e.g. configs/realm.py:smoke",
         )
-        s.add_argument(
-            "--workdir", required=True, help="run directory (data, checkpoints, index, tb)"
-        )
+        if name == "plan":
+            s.add_argument(
+                "--workdir",
+                default="",
+                help="optional: a workdir whose prepared corpus gives the number of blocks",
+            )
+        elif name == "sweep":
+            s.add_argument("--workdir", default="", help="prefix: point P runs in PREFIX/P")
+        else:
+            s.add_argument(
+                "--workdir", required=True, help="run directory (data, checkpoints, index, tb)"
+            )
         s.add_argument(
             "--cpu_devices",
             type=int,
@@ -108,6 +120,39 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace a prepared dataset built from different input",
             )
+            s.add_argument(
+                "--beam_runner",
+                default="",
+                help="prepare on Apache Beam with this runner (DirectRunner, DataflowRunner); "
+                "default: data.engine decides, DirectRunner when it picks Beam",
+            )
+            s.add_argument(
+                "--beam_options",
+                default="",
+                help="Beam pipeline flags, e.g. --beam_options='--direct_num_workers=2 "
+                "--direct_running_mode=multi_processing' (the default) or Dataflow's "
+                "--project/--region/--temp_location (tpu/README.md)",
+            )
+        if name == "plan":
+            s.add_argument(
+                "--topology",
+                required=True,
+                help="Cloud TPU slice (v3-64, v4-64, v5e-256, v5p-128, ...), a libtpu "
+                "topology (v4:2x2x2), or cpu:N fake CPU devices",
+            )
+            s.add_argument(
+                "--num_blocks",
+                type=int,
+                default=0,
+                help="corpus blocks (default: the workdir's prepared corpus, else REALM's "
+                "13,353,718 Wikipedia blocks)",
+            )
+            s.add_argument(
+                "--hbm_gib", type=float, default=0.0, help="HBM per device (default: the chip's)"
+            )
+            s.add_argument("--json", default="", help="also write the figures to this file")
+        if name == "sweep":
+            _sweep_arguments(s)
         if name == "refresh":
             s.add_argument(
                 "--max_versions",
@@ -171,6 +216,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sweep_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="print each point's command (with --tpu: its tpu/launch.sh line), run nothing",
+    )
+    s.add_argument(
+        "--tpu",
+        nargs=2,
+        metavar=("NAME", "ZONE"),
+        help="launch the points on this TPU VM through tpu/sweep.sh (PREFIX: a shared mount)",
+    )
+    s.add_argument(
+        "--prepare",
+        action="store_true",
+        help="with --tpu: prepare each point's data on worker 0 (locally the sweep always "
+        "prepares, once per distinct data section, reusing a prepared folder)",
+    )
+    s.add_argument("--table", default="", metavar="PREFIX", help="only rewrite PREFIX's table")
+    s.add_argument(
+        "--table_only", action="store_true", help="only write the table of --config/--workdir"
+    )
+
+
 # Errors a user causes and can fix (input, config, data, weights, workdir, mesh): every
 # command prints them as ONE line, `realm-jax <command>: error: <message>`, and exits
 # EXIT_USER_ERROR (-v/--verbose adds the traceback). Named "module:Class" and matched along the
@@ -187,6 +256,7 @@ EXPECTED_ERRORS = (
     "realm_jax.index.store:CorruptIndexError",  # a published index that fails its checks
     "realm_jax.qa.answers:QAFormatError",  # a QA question file that cannot be read
     "realm_jax.checkpoint:NoRestorableCheckpoint",  # every checkpoint of the workdir damaged
+    "realm_jax.plan:PlanError",  # a slice the config does not fit or cannot run on
 )
 # ValueError and FileNotFoundError are expected too when realm_jax's own code raised them (its
 # validation: "--top_k must be at least 1", "no checkpoint in ..."); raised inside a library
@@ -244,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, overrides: list[str]) -> int:
     from realm_jax.config import load_config, validate
 
+    if args.command == "sweep":  # its points run as other commands, in subprocesses
+        from realm_jax.sweep.command import command
+
+        return command(args, overrides)
     config = load_config(args.config, overrides)
     validate(config)  # every value, before any work
     module, function = entry_point(args.command, config).split(":")

@@ -4,6 +4,15 @@ checkpoint and both would save into the same folder.
 `workdir_lock(workdir, role)` holds an exclusive flock on <workdir>/<role>.lock for the run.
 flock is released by the kernel when its holder dies (kill -9 included), so a crashed run never
 leaves the workdir stuck; the file itself stays (harmless) and names the last holder.
+
+An object store (gs://) has no flock: there the lock is a lease object <workdir>/<role>.lock
+holding the holder's info and an expiry, LEASE_SECONDS ahead, that a background thread renews
+every RENEW_SECONDS. A second process is refused while the lease is fresh and takes it over
+once it has expired (a killed holder stops renewing). Every write and the release carry a GCS
+generation-match precondition, so of two processes racing for a free lease one wins and the
+other gets LockError, and a holder that lost its lease (it could not renew in time and
+another took it) finds out at its next renewal and says so in an error line. Expiry compares
+wall clocks of different hosts: skew well under LEASE_SECONDS is assumed.
 """
 
 from __future__ import annotations
@@ -17,8 +26,11 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
+from realm_jax import fs
 from realm_jax import workdir as paths
 
 log = logging.getLogger("realm_jax.lock")
@@ -26,6 +38,8 @@ log = logging.getLogger("realm_jax.lock")
 # The trainer and the refresher of one run share a workdir (`local`), so each role has its own
 # lock: two trainers exclude each other, a trainer and a refresher do not.
 ROLES = ("trainer", "refresher")
+LEASE_SECONDS = 60.0  # an object-store lease not renewed for this long is free
+RENEW_SECONDS = 15.0  # how often its holder renews it
 
 
 class LockError(RuntimeError):
@@ -42,14 +56,17 @@ def _holder(fd: int) -> str:
         return "holder unknown"  # empty or half-written (the holder is writing it right now)
 
 
-def _write_holder(fd: int) -> None:
-    info = {
+def _holder_info() -> dict:
+    return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": list(sys.argv),
     }
-    data = (json.dumps(info) + "\n").encode()
+
+
+def _write_holder(fd: int) -> None:
+    data = (json.dumps(_holder_info()) + "\n").encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
 
@@ -65,12 +82,9 @@ def workdir_lock(workdir: str, role: str, enabled: bool = True) -> Iterator[None
     if not enabled:
         yield
         return
-    if "://" in workdir:
-        # Object stores (gs://...) have no flock: nothing stops a second run there.
-        log.warning(
-            "workdir %s is on an object store: no %s lock (make sure only one runs)", workdir, role
-        )
-        yield
+    if fs.is_remote(workdir):
+        with object_lease(paths.lock_path(workdir, role), role):
+            yield
         return
     os.makedirs(paths.root(workdir), exist_ok=True)
     # os.open's descriptor is not inherited by child processes (PEP 446), so `local`'s
@@ -93,3 +107,120 @@ def workdir_lock(workdir: str, role: str, enabled: bool = True) -> Iterator[None
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------- object-store leases
+
+
+def _describe(info: dict) -> str:
+    argv = " ".join(str(a) for a in info.get("argv", []))
+    left = float(info.get("expires", 0)) - time.time()
+    return (
+        f"pid {info.get('pid')} on host {info.get('host')} since {info.get('started')}, "
+        f"lease valid {left:.0f}s more: {argv}"
+    )
+
+
+class ObjectLease:
+    """A lease object on GCS (google-cloud-storage, which honours STORAGE_EMULATOR_HOST):
+    holder info + expiry, written only with a generation-match precondition."""
+
+    def __init__(self, url: str, role: str, ttl: float = LEASE_SECONDS):
+        from google.cloud import storage  # lazy: only object-store workdirs need it
+
+        if not url.startswith("gs://"):
+            raise ValueError(f"lease objects are supported on gs:// only, got {url}")
+        bucket, _, self.name = url.removeprefix("gs://").partition("/")
+        self.url, self.role, self.ttl = url, role, ttl
+        self.bucket = storage.Client().bucket(bucket)
+        self.generation: int | None = None  # of our last write; None while not held
+
+    def _write(self, if_generation_match: int) -> None:
+        info = {**_holder_info(), "expires": time.time() + self.ttl, "role": self.role}
+        blob = self.bucket.blob(self.name)
+        blob.upload_from_string(
+            json.dumps(info),
+            content_type="application/json",
+            if_generation_match=if_generation_match,
+        )
+        self.generation = blob.generation
+
+    def acquire(self) -> None:
+        """Take the lease; LockError while another holder's is fresh, or when another
+        process takes it between our read and our write."""
+        from google.api_core import exceptions
+
+        blob = self.bucket.get_blob(self.name)
+        if blob is not None:
+            try:
+                info = json.loads(blob.download_as_bytes(if_generation_match=blob.generation))
+            except (ValueError, exceptions.PreconditionFailed):
+                info = {}  # unreadable, or rewritten meanwhile: the write below decides
+            if float(info.get("expires", 0)) > time.time():
+                raise LockError(
+                    f"workdir lease {self.url} is held by another {self.role} "
+                    f"({_describe(info)}); stop it first, or use another --workdir"
+                )
+        try:
+            self._write(blob.generation if blob is not None else 0)
+        except exceptions.PreconditionFailed:
+            raise LockError(
+                f"workdir lease {self.url} was just taken by another {self.role}; "
+                "stop it first, or use another --workdir"
+            ) from None
+
+    def renew(self) -> bool:
+        """Extend the lease; False when it was lost (another process holds it now)."""
+        from google.api_core import exceptions
+
+        try:
+            self._write(self.generation)
+            return True
+        except exceptions.PreconditionFailed:
+            self.generation = None
+            return False
+
+    def release(self) -> None:
+        """Delete the lease, unless another process holds it by now."""
+        from google.api_core import exceptions
+
+        if self.generation is None:
+            return
+        try:
+            self.bucket.blob(self.name).delete(if_generation_match=self.generation)
+        except (exceptions.NotFound, exceptions.PreconditionFailed):
+            pass
+        self.generation = None
+
+
+def _renew_until(lease: ObjectLease, stop: threading.Event, every: float) -> None:
+    while not stop.wait(every):
+        try:
+            if not lease.renew():
+                log.error(
+                    "lost the %s lease %s: another process holds it now (this one could not "
+                    "renew it for %.0fs); stop this one",
+                    lease.role,
+                    lease.url,
+                    lease.ttl,
+                )
+                return
+        except Exception as e:  # a network error: try again next round, the lease still runs
+            log.warning("could not renew the %s lease %s: %s", lease.role, lease.url, e)
+
+
+@contextlib.contextmanager
+def object_lease(url: str, role: str, *, ttl: float | None = None) -> Iterator[ObjectLease]:
+    """Hold an object-store lease for the body, renewed in a background thread."""
+    lease = ObjectLease(url, role, ttl or LEASE_SECONDS)
+    lease.acquire()
+    stop = threading.Event()
+    every = min(RENEW_SECONDS, lease.ttl / 4)
+    renewer = threading.Thread(target=_renew_until, args=(lease, stop, every), daemon=True)
+    renewer.start()
+    try:
+        yield lease
+    finally:
+        stop.set()
+        renewer.join()
+        lease.release()

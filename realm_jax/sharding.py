@@ -101,10 +101,39 @@ def rows_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, rows_spec(mesh))
 
 
-def logical_shardings(mesh: Mesh, abstract_boxed_tree):
-    """Shardings for a tree whose leaves may be nn.LogicallyPartitioned (others replicated)."""
+# FSDP (config mesh.fsdp): parameters and optimizer state also split their hidden ('embed')
+# dimension over the data axis, as maxtext's "fsdp" rules do; XLA all-gathers each weight where
+# a layer uses it and reduce-scatters its gradient, so a device holds 1/data of the state.
+FSDP_RULES = (("embed", "data"),) + tuple(r for r in LOGICAL_RULES if r[0] != "embed")
+
+
+def _mesh_axis_size(mesh: Mesh, axes) -> int:
+    if axes is None:
+        return 1
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def divisible_spec(shape, spec: P, mesh: Mesh) -> P:
+    """spec with every mesh axis dropped from a dimension it does not divide (that dimension
+    replicated instead): a 2-wide type embedding stays whole on a 16-way data axis."""
+    parts = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return P(*(ax if n % _mesh_axis_size(mesh, ax) == 0 else None for n, ax in zip(shape, parts)))
+
+
+def logical_shardings(mesh: Mesh, abstract_boxed_tree, fsdp: bool = False):
+    """Shardings for a tree whose leaves may be nn.LogicallyPartitioned (others replicated).
+
+    fsdp=True also shards the hidden dimension of every weight over 'data' (FSDP_RULES). A
+    mesh axis that does not divide a dimension leaves that dimension replicated."""
+    rules = FSDP_RULES if fsdp else LOGICAL_RULES
     specs = nn.get_partition_spec(abstract_boxed_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    return jax.tree.map(
+        lambda s, x: NamedSharding(mesh, divisible_spec(x.shape, s.spec, mesh)),
+        shardings,
+        nn.meta.unbox(abstract_boxed_tree),
+    )
 
 
 def padded_rows(num_rows: int, mesh: Mesh) -> int:
@@ -136,3 +165,20 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     """Process-local batch shards -> global arrays sharded on 'data'."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+class traced_in_mesh:
+    """A jitted function that is traced, lowered and called with `mesh` as the ambient mesh
+    (`jax.set_mesh`), so the model's activation constraints (`bert.constrain_batch`) apply:
+    outside a mesh they are no-ops. Calls pass through unchanged otherwise."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def __call__(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)

@@ -194,7 +194,7 @@ def test_bad_sweeps_fail_before_launch(tmp_path):
         sweep.sweep_points(str(wrong_type))
     tuples = tmp_path / "tuples.py"
     tuples.write_text(base + "def sweep():\n    return [{'train.shape': (4, 8)}]\n")
-    assert sweep.sweep_points(str(tuples)) == [("shape=(4,8)", ["--config.train.shape=(4,8)"])]
+    assert sweep.sweep_points(str(tuples)) == [("shape=4x8", ["--config.train.shape=(4,8)"])]
 
 
 def test_cli_help_lists_every_command():

@@ -9,12 +9,12 @@ from tests.conftest import REPO
 PKG = os.path.join(REPO, "realm_jax")
 # Lowest first. A module may import its own room and any room of a lower layer.
 LAYERS = [
-    {"config", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"},
+    {"config", "fs", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"},
     {"data", "model", "ops"},
     {"index"},
     {"train"},
     {"pretrain", "ict", "qa"},  # the tasks
-    {"cli", "__main__", "sweep"},  # entry points (cli names commands as strings)
+    {"cli", "__main__", "sweep", "plan"},  # entry points (cli names commands as strings)
 ]
 TASKS = LAYERS[4]
 

@@ -99,17 +99,29 @@ def test_disabled_unknown_role_and_unreadable_holder(tmp_path, holders):
             pass
 
 
-def test_an_object_store_workdir_is_not_locked(caplog):
-    with caplog.at_level("WARNING"), workdir_lock("gs://bucket/run", "trainer"):
-        pass
-    assert "object store" in caplog.text and "no trainer lock" in caplog.text
+def test_an_object_store_workdir_takes_a_lease(monkeypatch):
+    """gs:// has no flock: the lock is a lease object (tests/test_gcs.py runs it against a GCS
+    emulator); no local lock file is made for a URL."""
+    import contextlib
+
+    from realm_jax import lock
+
+    taken = []
+    monkeypatch.setattr(
+        lock,
+        "object_lease",
+        lambda url, role: taken.append((url, role)) or contextlib.nullcontext(),
+    )
+    with workdir_lock("gs://bucket/run/", "trainer"):
+        assert taken == [("gs://bucket/run/trainer.lock", "trainer")]
+    assert not os.path.exists("gs:")
 
 
 def test_lock_imports_nothing_of_the_package_but_workdir():
     from tests.test_layout import _imports
 
     imports = _imports(os.path.join(REPO, "realm_jax", "lock.py"))
-    assert imports <= {"realm_jax.workdir"}, imports
+    assert imports <= {"realm_jax.workdir", "realm_jax.fs"}, imports
 
 
 @pytest.mark.parametrize(

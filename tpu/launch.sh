@@ -3,9 +3,10 @@
 #
 # usage: tpu/launch.sh [options] NAME ZONE WORKDIR CONFIG_SPEC [--config.k=v ...]
 #   NAME ZONE      the TPU VM (tpu/create.sh, tpu/setup.sh)
-#   WORKDIR        run directory seen by EVERY worker at the same absolute path: a shared
-#                  filesystem (Filestore NFS mount, or a GCS bucket mounted with gcsfuse),
-#                  not gs://. Checkpoints, the published index and TensorBoard files live here.
+#   WORKDIR        run directory seen by EVERY worker: gs://BUCKET/FOLDER (no mount needed),
+#                  or an absolute path on a shared filesystem mounted at the same path on
+#                  every worker (Filestore NFS). Checkpoints, the published index, the prepared
+#                  data and TensorBoard files live here.
 #   CONFIG_SPEC    config file and variant relative to the repo, e.g. configs/realm.py:base
 #   --config.k=v   config overrides, passed to every process (the refresher ignores mesh.shape)
 # options:
@@ -19,7 +20,7 @@
 # auto-detects the pod) with nohup, logging to ~/realm-jax/logs/RUN/train-w<worker>.log.
 # Worker 0 also runs `python -m realm_jax refresh` (log: refresh.log). The refresher shares
 # WORKDIR with the trainers: it reads their checkpoints and publishes WORKDIR/index, which every
-# trainer host loads, hence the shared filesystem. The trainer holds the host's TPU chips, so
+# trainer host loads, hence a bucket or a shared filesystem. The trainer holds the host's TPU chips, so
 # the refresher runs on the host CPU (JAX_PLATFORMS=cpu, override with REFRESH_PLATFORMS);
 # for paper-scale corpora use --config.refresh.mode=inprocess instead (see tpu/README.md).
 set -euo pipefail
@@ -50,8 +51,16 @@ while (( $# )); do
 done
 (( ${#pos[@]} == 4 )) || die "expected NAME ZONE WORKDIR CONFIG_SPEC, got ${#pos[@]} argument(s)"
 name=${pos[0]} zone=${pos[1]} workdir=${pos[2]} spec=${pos[3]}
-[[ "$workdir" != gs://* ]] || die "WORKDIR must be a mounted path (gcsfuse), not $workdir"
-[[ "$workdir" == /* ]] || die "WORKDIR must be an absolute path on a shared filesystem, got $workdir"
+workdir=${workdir%/}
+if [[ "$workdir" == gs://* ]]; then
+  # Read and written by every worker through the GCS API (orbax, TFDS, TensorBoard and the
+  # index all take gs:// URLs): no gcsfuse mount needed.
+  [[ "$workdir" =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9]/[^[:space:]]+$ ]] ||
+    die "WORKDIR must be gs://BUCKET/FOLDER (a folder inside the bucket), got $workdir"
+else
+  [[ "$workdir" == /* ]] ||
+    die "WORKDIR must be gs://BUCKET/FOLDER or an absolute path on a shared filesystem, got $workdir"
+fi
 [[ "$spec" == *.py || "$spec" == *.py:* ]] || die "CONFIG_SPEC must be like configs/realm.py:base"
 run_name=${run_name:-$(basename "$workdir")}
 [[ "$run_name" =~ ^[A-Za-z0-9_.,=+-]+$ ]] || die "run name '$run_name' has unsafe characters"

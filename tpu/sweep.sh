@@ -3,7 +3,8 @@
 #
 # usage: tpu/sweep.sh [--dry-run] [--prepare] NAME ZONE WORKDIR_PREFIX CONFIG_FILE[:VARIANT] [--config.k=v ...]
 #   NAME ZONE        the TPU VM (tpu/create.sh, tpu/setup.sh)
-#   WORKDIR_PREFIX   shared-filesystem folder; point P runs in WORKDIR_PREFIX/P
+#   WORKDIR_PREFIX   gs://BUCKET/folder or a shared-filesystem folder; point P runs in
+#                    WORKDIR_PREFIX/P
 #   CONFIG_FILE      config with a sweep() function, relative to the repo root, e.g.
 #                    configs/realm.py (validated against the small variant unless named)
 #   --config.k=v     extra overrides applied to every point (before the point's own)
@@ -15,6 +16,9 @@
 # `tpu/launch.sh --wait --run P`, i.e. the next starts when the previous trainers exit.
 # Points whose WORKDIR_PREFIX/P/DONE exists (written after a successful run) are skipped, so
 # a sweep can be re-run after a failure. Set LAUNCH_FLAGS (e.g. "--no-refresh") for launch.sh.
+# `python -m realm_jax sweep --tpu NAME ZONE --config CONFIG --workdir WORKDIR_PREFIX` runs this
+# script (and records the points in WORKDIR_PREFIX/sweep.json when it is mounted locally);
+# `python -m realm_jax sweep --table WORKDIR_PREFIX` then tables the finished points.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
@@ -34,7 +38,8 @@ while (( $# )); do
 done
 (( ${#pos[@]} == 4 )) || die "expected NAME ZONE WORKDIR_PREFIX CONFIG_FILE, got ${#pos[@]} argument(s)"
 name=${pos[0]} zone=${pos[1]} prefix=${pos[2]%/} config=${pos[3]}
-[[ "$prefix" == /* ]] || die "WORKDIR_PREFIX must be an absolute path on a shared filesystem"
+[[ "$prefix" == /* || "$prefix" =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9](/|$) ]] ||
+  die "WORKDIR_PREFIX must be gs://BUCKET/... or an absolute path on a shared filesystem"
 repo_root=$(cd "$(dirname "$0")/.." && pwd)
 config_file=${config%%:*}
 [[ "$config_file" != /* ]] || die "CONFIG_FILE must be relative to the repo root (as on the workers)"

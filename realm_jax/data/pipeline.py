@@ -57,7 +57,10 @@ class MaskSpan(grain.transforms.RandomMap):
 
     def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         span = int(rng.integers(len(rec["span_starts"])))
-        return mask_example(rec, span, self.query_len, self.max_predictions)
+        out = mask_example(rec, span, self.query_len, self.max_predictions)
+        if "example_id" in rec:  # host-side only: the loop takes it out before the device
+            out["example_id"] = np.int64(rec["example_id"])
+        return out
 
 
 def local_batch_size(global_batch_size: int) -> int:
@@ -106,7 +109,8 @@ def train_loader(
     """A grain DataLoader of this process's share of masked-sentence batches.
 
     Batch: query_ids [b, query_len] int32, mlm_positions / mlm_targets [b, max_predictions]
-    int32, mlm_weights [b, max_predictions] float32, block_id [b] int32;
+    int32, mlm_weights [b, max_predictions] float32, block_id [b] int32, example_id [b] int64
+    (the prepared examples' ids, kept on the host by the loop: train.record_example_ids);
     b = global_batch_size / jax.process_count().
     """
     data = config.data

@@ -18,7 +18,9 @@ Layout of a prepared data_dir:
                                              corpus (retrieval may find them)
   <data_dir>/summary.json                    counts, fingerprint, config; written LAST: a folder
                                              without it is incomplete and loaders refuse it.
-Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end.
+Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end; for a
+gs:// data_dir they are built in a local temp folder and uploaded, summary.json (listing every
+dataset file and its size) last.
 Readers open a dataset folder directly (`tfds.builder_from_directory(...).as_data_source()`,
 the same ArrayRecord data source `tfds.data_source` returns, without a registered name).
 """
@@ -33,17 +35,19 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
 import tensorflow_datasets as tfds
 from tqdm import tqdm
 
+from realm_jax import fs, workdir
 from realm_jax import tokenization as tk
-from realm_jax import workdir
 from realm_jax.data import corpus as corpus_lib
 from realm_jax.data import masking
 from realm_jax.data.prepared import (
+    DATASETS,
     FORMAT_VERSION,
     SUMMARY,
     PrepareError,
@@ -65,6 +69,7 @@ FP_FIELDS = (
     "eval_split_key",
 )
 CHUNK = 512  # documents tokenised per batch
+BEAM_MIN_PASSAGES = 50_000  # data.engine=auto: corpora of this many lines go to Beam
 
 
 class _Builder(tfds.core.GeneratorBasedBuilder):
@@ -213,16 +218,7 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
     encs = tk.wordpieces(texts)
     keep = [i for i, e in enumerate(encs) if len(e.ids) >= data.min_sentence_tokens]
     stats["skipped_short_sentence"] += len(texts) - len(keep)
-    masker = masking.Masker(
-        data.masking,
-        ner_model=data.ner_model,
-        max_predictions=data.max_predictions,
-        max_tokens=data.query_len - 2,
-        random_span_max=data.random_span_max,
-        seed=data.seed,
-        stats=stats,
-        ner_processes=data.ner_processes,
-    )
+    masker = make_masker(data, stats, data.ner_processes)
     cands = masker.candidates([texts[i] for i in keep])
     records, eval_records = [], []
     desc = f"examples: {'NER' if masker.mode == 'salient' else 'random'} masking"
@@ -234,16 +230,9 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
                 continue
             out = eval_records if held[i] else records
             out.append(
-                {
-                    "example_id": len(out),
-                    "block_id": block_ids[i],
-                    "doc_id": doc_ids[i],
-                    "text": texts[i],
-                    "token_ids": np.asarray(tk.query_ids(encs[i].ids, data.query_len), np.int32),
-                    "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # [CLS]
-                    "span_ends": np.asarray([b + 1 for _, b, _ in spans], np.int32),
-                    "span_labels": ",".join(label for _, _, label in spans),
-                }
+                example_record(
+                    len(out), block_ids[i], doc_ids[i], texts[i], encs[i].ids, spans, data.query_len
+                )
             )
     stats["examples"] = len(records)
     stats["eval_examples"] = len(eval_records)
@@ -251,16 +240,49 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
     return records, eval_records, masker.mode
 
 
+def make_masker(data, stats: collections.Counter, ner_processes: int) -> masking.Masker:
+    """The span chooser both engines use (the Beam one runs one per worker, ner_processes=1)."""
+    return masking.Masker(
+        data["masking"],
+        ner_model=data["ner_model"],
+        max_predictions=data["max_predictions"],
+        max_tokens=data["query_len"] - 2,
+        random_span_max=data["random_span_max"],
+        seed=data["seed"],
+        stats=stats,
+        ner_processes=ner_processes,
+    )
+
+
+def example_record(example_id, block_id, doc_id, text, ids, spans, query_len) -> dict:
+    """One examples-dataset record; spans are masking.Span tuples (positions without [CLS])."""
+    return {
+        "example_id": example_id,
+        "block_id": block_id,
+        "doc_id": doc_id,
+        "text": text,
+        "token_ids": np.asarray(tk.query_ids(ids, query_len), np.int32),
+        "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # +1: [CLS]
+        "span_ends": np.asarray([b + 1 for _, b, _ in spans], np.int32),
+        "span_labels": ",".join(label for _, _, label in spans),
+    }
+
+
+def block_record(b: corpus_lib.Block) -> dict:
+    """One blocks-dataset record."""
+    return {
+        "block_id": b.block_id,
+        "doc_id": b.doc_id,
+        "title": b.title,
+        "text": b.text,
+        "token_ids": np.asarray(b.token_ids, np.int32),
+        "sentence_starts": np.asarray(b.sentence_starts, np.int32),
+    }
+
+
 def _block_records(blocks):
     for b in blocks:
-        yield {
-            "block_id": b.block_id,
-            "doc_id": b.doc_id,
-            "title": b.title,
-            "text": b.text,
-            "token_ids": np.asarray(b.token_ids, np.int32),
-            "sentence_starts": np.asarray(b.sentence_starts, np.int32),
-        }
+        yield block_record(b)
 
 
 def _write(cls, records, folder: str) -> None:
@@ -300,8 +322,17 @@ def fingerprint(data) -> str:
 # ------------------------------------------------------------------------------------ prepare
 
 
-def _fresh_tmp(data_dir: str) -> str:
-    """An empty build folder; leftovers of interrupted prepares are removed first."""
+def _fresh_tmp(data_dir: str, *, shared: bool = False) -> str:
+    """An empty build folder; leftovers of interrupted prepares are removed first. For an
+    object-store data_dir (gs://) a local temp folder (TFDS's array_record writer writes local
+    files, and _publish uploads them), unless `shared`: a build on other machines (Beam on
+    Dataflow) writes into <data_dir>/.prepare-tmp-<pid>/ there, and _publish copies it."""
+    if fs.is_remote(data_dir):
+        if not shared:
+            return tempfile.mkdtemp(prefix="realm-prepare-")
+        tmp = fs.join(data_dir, f".prepare-tmp-{os.getpid()}")
+        fs.rmtree(tmp)
+        return tmp
     os.makedirs(data_dir, exist_ok=True)
     for name in os.listdir(data_dir):
         if name.startswith(".prepare-tmp-"):
@@ -313,20 +344,28 @@ def _fresh_tmp(data_dir: str) -> str:
 
 
 def _publish(tmp: str, data_dir: str, summary: dict) -> None:
-    """Swap the finished datasets into place; summary.json (the completion marker) goes last."""
-    final = os.path.join(data_dir, SUMMARY)
-    if os.path.exists(final):
-        os.remove(final)  # from here on the old datasets are no longer loadable
-    for name in ("blocks", "examples", "eval_examples"):
-        shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
-        if os.path.exists(os.path.join(tmp, name)):
-            os.rename(os.path.join(tmp, name), os.path.join(data_dir, name))
-    with open(os.path.join(tmp, SUMMARY), "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(os.path.join(tmp, SUMMARY), final)
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Swap the finished datasets into place; summary.json (the completion marker) goes last
+    and lists every dataset file with its size (summary["files"]), which readers check
+    (data/prepared.py): on an object store, where the datasets are uploaded file by file with
+    no atomic rename, that is what tells a complete prepare from an interrupted one."""
+    names = [n for n in DATASETS if fs.isdir(fs.join(tmp, n))]
+    summary["files"] = {
+        f"{n}/{rel}": fs.size(fs.join(tmp, n, *rel.split("/")))
+        for n in names
+        for rel in fs.walk_files(fs.join(tmp, n))
+    }
+    final = fs.join(data_dir, SUMMARY)
+    fs.remove(final)  # from here on the old datasets are no longer loadable
+    for name in DATASETS:
+        fs.rmtree(fs.join(data_dir, name))
+        if name not in names:
+            continue
+        if fs.is_remote(data_dir) and not fs.is_remote(tmp):
+            fs.upload_tree(os.path.join(tmp, name), fs.join(data_dir, name))
+        else:  # atomic locally; on gs:// a copy of each object (the summary commits it)
+            fs.rename(fs.join(tmp, name), fs.join(data_dir, name))
+    fs.write_bytes(final, json.dumps(summary, indent=2, sort_keys=True).encode())
+    fs.rmtree(tmp)
 
 
 def _skipped(stats) -> str:
@@ -344,8 +383,99 @@ def _print_summary(s: dict) -> None:
             print(f"  {key:<28}{v:>10}")
 
 
-def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
-    """Build (or reuse) the blocks and examples datasets under data_dir; returns the summary."""
+def _no_blocks(data, stats) -> PrepareError:
+    why = (
+        f"none of its {stats['documents']} documents left body text in blocks of "
+        f"data.block_len={data.block_len} wordpieces ([CLS] title [SEP] body [SEP]); "
+        "raise data.block_len"
+        if stats["documents"]
+        else f"no documents (empty input, or every document skipped: {_skipped(stats)})"
+    )
+    return PrepareError(f"{data.corpus}: no usable documents: {why}")
+
+
+def _no_examples(data, stats, num_eval: int, mode: str) -> PrepareError:
+    if num_eval:
+        why = (
+            f"all {num_eval} examples are held out for evaluation "
+            f"(data.eval_fraction={data.eval_fraction}); lower data.eval_fraction"
+        )
+    elif mode == "salient":
+        why = (
+            f"no sentence of {stats['sentences']} has a usable salient span (named entity "
+            "or date); try --config.data.masking=random"
+        )
+    else:
+        why = f"no sentence of {stats['sentences']} has a usable span"
+    return PrepareError(f"{data.corpus}: no pre-training examples: {why} ({_skipped(stats)})")
+
+
+def _build_local(data, data_dir: str, stats) -> tuple[str, str]:
+    """The in-process path: the corpus in memory; returns (build folder, masking mode)."""
+    blocks = build_blocks(data, stats)
+    if not blocks:
+        raise _no_blocks(data, stats)
+    records, eval_records, mode = build_examples(data, blocks, stats)
+    if not records:
+        raise _no_examples(data, stats, len(eval_records), mode)
+    tmp = _fresh_tmp(data_dir)  # bad input stops above, before anything is written
+    _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
+    _write(RealmExamples, records, os.path.join(tmp, "examples"))
+    if eval_records:  # TFDS cannot write an empty dataset; loaders say what is missing
+        _write(RealmExamples, eval_records, os.path.join(tmp, "eval_examples"))
+    return tmp, mode
+
+
+def _build_beam(data, data_dir: str, stats, runner: str, options: str) -> tuple[str, str]:
+    """The Apache Beam path (data/beam_prepare.py): streams the corpus; same output."""
+    try:
+        from realm_jax.data import beam_prepare
+    except ImportError as e:
+        raise PrepareError(
+            f"data.engine=beam needs apache-beam ({e}): pip install -r requirements.txt"
+        ) from e
+    tmp = _fresh_tmp(data_dir)
+    try:
+        mode = beam_prepare.build(
+            data, tmp, stats, runner=runner or "DirectRunner", options=options
+        )
+        if not stats["blocks"]:
+            raise _no_blocks(data, stats)
+        if not stats["examples"]:
+            raise _no_examples(data, stats, stats["eval_examples"], mode)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp, mode
+
+
+def choose_engine(data, beam_runner: str = "") -> str:
+    """'local' or 'beam' from data.engine; auto: Beam for a line file of at least
+    data.beam_min_passages lines (or when a --beam_runner is named), else in process."""
+    engine = data.get("engine", "auto")
+    if engine == "local":
+        if beam_runner:
+            raise PrepareError(f"--beam_runner={beam_runner} needs data.engine=beam (or auto)")
+        return "local"
+    if engine == "beam" or beam_runner:
+        return "beam"
+    if data.sentences or os.path.isdir(data.corpus):
+        return "local"  # the Beam path reads one line file (beam_prepare.supported)
+    lines = _count_lines(data.corpus) or 0
+    return "beam" if lines >= data.get("beam_min_passages", BEAM_MIN_PASSAGES) else "local"
+
+
+def prepare(
+    config,
+    data_dir: str,
+    *,
+    overwrite: bool = False,
+    beam_runner: str = "",
+    beam_options: str = "",
+) -> dict:
+    """Build (or reuse) the blocks and examples datasets under data_dir; returns the summary.
+    data.engine picks the in-process path or Apache Beam (beam_runner, beam_options: the
+    runner's name and its flags; defaults: DirectRunner, one worker per core)."""
     data, fp = config.data, fingerprint(config.data)
     old = read_summary(data_dir)
     if old is not None and not overwrite:
@@ -359,36 +489,11 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
             "(overwrite=True) to rebuild it, or choose another --config.data.data_dir"
         )
     start, stats = time.time(), collections.Counter()
-    blocks = build_blocks(data, stats)
-    if not blocks:
-        why = (
-            f"none of its {stats['documents']} documents left body text in blocks of "
-            f"data.block_len={data.block_len} wordpieces ([CLS] title [SEP] body [SEP]); "
-            "raise data.block_len"
-            if stats["documents"]
-            else f"no documents (empty input, or every document skipped: {_skipped(stats)})"
-        )
-        raise PrepareError(f"{data.corpus}: no usable documents: {why}")
-    records, eval_records, mode = build_examples(data, blocks, stats)
-    if not records:
-        if eval_records:
-            why = (
-                f"all {len(eval_records)} examples are held out for evaluation "
-                f"(data.eval_fraction={data.eval_fraction}); lower data.eval_fraction"
-            )
-        elif mode == "salient":
-            why = (
-                f"no sentence of {stats['sentences']} has a usable salient span (named entity "
-                "or date); try --config.data.masking=random"
-            )
-        else:
-            why = f"no sentence of {stats['sentences']} has a usable span"
-        raise PrepareError(f"{data.corpus}: no pre-training examples: {why} ({_skipped(stats)})")
-    tmp = _fresh_tmp(data_dir)  # bad input stops above, before anything is written
-    _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
-    _write(RealmExamples, records, os.path.join(tmp, "examples"))
-    if eval_records:  # TFDS cannot write an empty dataset; loaders say what is missing
-        _write(RealmExamples, eval_records, os.path.join(tmp, "eval_examples"))
+    engine = choose_engine(data, beam_runner)
+    if engine == "beam":
+        tmp, mode = _build_beam(data, data_dir, stats, beam_runner, beam_options)
+    else:
+        tmp, mode = _build_local(data, data_dir, stats)
     summary = {
         "complete": True,
         "created": time.time(),
@@ -398,6 +503,7 @@ def prepare(config, data_dir: str, *, overwrite: bool = False) -> dict:
         "corpus": data.corpus,
         "sentences_source": data.sentences,
         "masking": mode,
+        "engine": engine,
         "block_len": data.block_len,
         "query_len": data.query_len,
         "config": {k: data[k] for k in FP_FIELDS},
@@ -417,7 +523,7 @@ def stale_outputs(run_dir: str) -> list[str]:
     `prepare --overwrite` replaces (block ids, embeddings and masked examples change)."""
     out = []
     for folder in (workdir.checkpoint_dir(run_dir), workdir.index_dir(run_dir)):
-        if os.path.isdir(folder) and any(not n.startswith(".") for n in os.listdir(folder)):
+        if any(not n.startswith(".") for n in fs.listdir(folder)):
             out.append(folder)
     return out
 
@@ -434,5 +540,11 @@ def command(config, args) -> int:
             "prepare changed input in a new --workdir, or delete them before training here",
             file=sys.stderr,
         )
-    prepare(config, data_dir, overwrite=args.overwrite)
+    prepare(
+        config,
+        data_dir,
+        overwrite=args.overwrite,
+        beam_runner=getattr(args, "beam_runner", ""),
+        beam_options=getattr(args, "beam_options", ""),
+    )
     return 0

@@ -1,7 +1,9 @@
 """The read side of prepared data: a complete prepare's summary, random-access TFDS sources
 of the blocks and the (held-out) examples, the block token table, the held-out split rule.
 
-Layout of a prepared data_dir: see data/prepare.py (the write side)."""
+Layout of a prepared data_dir: see data/prepare.py (the write side). A data_dir may be a gs://
+URL: summary.json is read from there and the dataset files it lists are checked, then copied
+once into a local cache folder (array_record reads local files only) and opened there."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 
+from realm_jax import fs
+
 FORMAT_VERSION = 2
 
 
 SUMMARY = "summary.json"
+DATASETS = ("blocks", "examples", "eval_examples")
+_checked: set[tuple[str, float]] = set()  # (data_dir, created) whose files were checked
 
 
 class PrepareError(RuntimeError):
@@ -33,18 +39,38 @@ def is_eval(key: str, fraction: float, seed: int) -> bool:
 
 
 def read_summary(data_dir: str) -> dict | None:
-    path = os.path.join(data_dir, SUMMARY)
-    if not os.path.exists(path):
+    try:
+        return json.loads(fs.read_bytes(fs.join(data_dir, SUMMARY)))
+    except FileNotFoundError:
         return None
-    with open(path) as f:
-        return json.load(f)
+
+
+def _check_files(data_dir: str, s: dict) -> None:
+    """Every dataset file summary.json lists must exist with its size (once per prepare).
+    Summaries written before the list was kept (a local rename-published prepare) have none
+    and are trusted as before."""
+    key = (fs.abspath(data_dir), s.get("created"))
+    if key in _checked or "files" not in s:
+        return
+    for rel, size in sorted(s["files"].items()):
+        path = fs.join(data_dir, *rel.split("/"))
+        try:
+            got = fs.size(path)
+        except (FileNotFoundError, OSError):
+            got = None
+        if got != size:
+            what = "is missing" if got is None else f"has {got} bytes, {SUMMARY} says {size}"
+            raise PrepareError(
+                f"{data_dir} is damaged: {rel} {what}. Re-run `realm-jax prepare --overwrite`"
+            )
+    _checked.add(key)
 
 
 def load_summary(data_dir: str) -> dict:
     """The summary of a complete prepare; a clear error for a missing or partial one."""
     s = read_summary(data_dir)
     if s is None or not s.get("complete"):
-        names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+        names = fs.listdir(data_dir)
         partial = any(n.startswith(".prepare-tmp-") or n in ("blocks", "examples") for n in names)
         what = "an incomplete (interrupted?) prepare" if partial else "no prepared data"
         raise PrepareError(
@@ -57,7 +83,39 @@ def load_summary(data_dir: str) -> dict:
             f"realm-jax; this one reads v{FORMAT_VERSION}: re-run `realm-jax prepare "
             "--overwrite`"
         )
+    _check_files(data_dir, s)
     return s
+
+
+def cache_root() -> str:
+    """Where gs:// prepared data is copied to be read: $REALM_JAX_CACHE, else
+    ~/.cache/realm-jax."""
+    return os.environ.get("REALM_JAX_CACHE") or os.path.expanduser("~/.cache/realm-jax")
+
+
+def local_copy(data_dir: str, s: dict) -> str:
+    """A local folder holding data_dir's datasets: data_dir itself when local; for a gs://
+    data_dir a verified copy under cache_root(), one per prepare (keyed by its fingerprint and
+    creation time), downloaded once and marked complete last."""
+    if not fs.is_remote(data_dir):
+        return os.path.abspath(data_dir)
+    if "files" not in s:
+        raise PrepareError(f"{data_dir}: {SUMMARY} lists no files (prepared by an older realm-jax)")
+    tag = hashlib.sha256(f"{fs.abspath(data_dir)}:{s['fingerprint']}:{s['created']}".encode())
+    local = os.path.join(cache_root(), "prepared", tag.hexdigest()[:16])
+    done = os.path.join(local, ".complete")
+    if not os.path.exists(done):
+        tmp = f"{local}.tmp-{os.getpid()}"
+        fs.rmtree(tmp)
+        fs.download_tree(data_dir, tmp, sorted(s["files"]))
+        for rel, size in s["files"].items():
+            if os.path.getsize(os.path.join(tmp, *rel.split("/"))) != size:
+                raise PrepareError(f"{data_dir}: {rel} changed while it was copied; try again")
+        fs.rmtree(local)
+        os.rename(tmp, local)
+        with open(done, "w") as f:
+            f.write(data_dir + "\n")
+    return local
 
 
 @functools.lru_cache(maxsize=8)
@@ -69,7 +127,7 @@ def _open(path: str, fingerprint: str):
 def _source(data_dir: str, name: str, builder: str):
     s = load_summary(data_dir)
     key = f"{s['fingerprint']}:{s.get('created')}"
-    return _open(os.path.join(os.path.abspath(data_dir), name, builder, "1.0.0"), key)
+    return _open(os.path.join(local_copy(data_dir, s), name, builder, "1.0.0"), key)
 
 
 def blocks_source(data_dir: str):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 
 import jax
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint
 from realm_jax.config import ConfigError
 from realm_jax.data import ict as ict_data
 from realm_jax.data import pipeline
 from realm_jax.ict.evaluation import IctEvaluator
-from realm_jax.ict.step import create_state, ict_step
+from realm_jax.ict.step import compile_train_step, create_state
 from realm_jax.train import loop
 from realm_jax.train.warm_start import params_hook
 
@@ -41,12 +40,7 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
         (pipeline.iterator_save_args, pipeline.iterator_restore_args),
         fingerprint=loop.fingerprint(config, ddir),
     )
-    step_fn = jax.jit(
-        functools.partial(ict_step, model=model, optimizer=optimizer, mesh=mesh, seed=tc.seed),
-        in_shardings=(shardings, sharding.batch_sharding(mesh)),
-        out_shardings=(shardings, sharding.replicated(mesh)),
-        donate_argnums=(0,),
-    )
+    step_fn = compile_train_step(config, mesh, model, optimizer, shardings)
     evaluator = IctEvaluator(config, mesh, model, ddir, tokens) if tc.eval_every > 0 else None
     keys = tuple(f"recall@{k}" for k in config.ict.recall_ks)
     task = loop.Task(

@@ -40,20 +40,34 @@ def ict_step(state, batch, *, model, optimizer, mesh, seed: int = 0):
     return guarded_update(state, grads, metrics, optimizer), metrics
 
 
-def create_state(config, mesh, rng, params_hook=None):
-    """(model, optimizer, state, shardings) of the two embedders, created sharded."""
+def state_parts(config):
+    """(model, optimizer, init_params(rng) -> boxed params) of the two embedders."""
     ecfg = ModelConfig.from_config(config.model, "embedder")
     d = config.data
     check_fits("data.query_len", d.query_len, ecfg, "embedder")
     check_fits("data.block_len", d.block_len, ecfg, "embedder")
     model = RetrieverModel(ecfg)
-    optimizer = make_optimizer(config.train)
+    q, b = dummy_input(d.query_len), dummy_input(d.block_len)
+    return model, make_optimizer(config.train), lambda r: model.init(r, q, b)["params"]
 
+
+def create_state(config, mesh, rng, params_hook=None):
+    """(model, optimizer, state, shardings) of the two embedders, created sharded."""
+    model, optimizer, init_params = state_parts(config)
     state, shardings = create_sharded(
-        mesh,
-        lambda r: model.init(r, dummy_input(d.query_len), dummy_input(d.block_len))["params"],
-        optimizer,
-        rng,
-        params_hook,
+        mesh, init_params, optimizer, rng, params_hook, fsdp=config.mesh.get("fsdp", False)
     )
     return model, optimizer, state, shardings
+
+
+def compile_train_step(config, mesh, model, optimizer, state_shardings):
+    """jax.jit of ict_step with explicit in/out shardings; the state is donated."""
+    jitted = jax.jit(
+        functools.partial(
+            ict_step, model=model, optimizer=optimizer, mesh=mesh, seed=config.train.seed
+        ),
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+    return sharding.traced_in_mesh(jitted, mesh)

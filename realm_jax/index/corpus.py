@@ -66,7 +66,7 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
         _, out = jax.lax.scan(one, None, t)  # [steps, n_dev, chunk, D]
         return out.transpose(1, 0, 2, 3).reshape(n, -1)
 
-    return jax.jit(embed, out_shardings=rows)
+    return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)
 
 
 def pad_index(emb: np.ndarray | None, tokens: np.ndarray, mesh: Mesh):
@@ -84,5 +84,5 @@ def abstract_params(config, mesh: Mesh, name: str):
     d = config.data
     inputs = init_inputs(d.query_len, d.block_len, joint_len(config))
     boxed = jax.eval_shape(lambda r: model.init(r, *inputs)["params"], jax.random.key(0))
-    shard = sharding.logical_shardings(mesh, boxed)
+    shard = sharding.logical_shardings(mesh, boxed, config.mesh.get("fsdp", False))
     return model, checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
 from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index
@@ -59,7 +59,7 @@ class Refresher:
         self.tokens = sharding.put_rows(tok, self.mesh)
         self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
         self.dir = paths.index_dir(workdir)
-        os.makedirs(self.dir, exist_ok=True)
+        fs.makedirs(self.dir)
         self._damaged: dict[int, tuple[int, int]] = {}  # step -> its folder when it failed
 
     def refresh_once(self, mgr, step: int) -> str:
@@ -101,7 +101,7 @@ class Refresher:
                 "refresh: checkpoint %d (%s) gives non-finite embeddings for %d of %d blocks: "
                 "not published; the trainer keeps its current index",
                 step,
-                os.path.join(paths.checkpoint_dir(self.workdir), str(step)),
+                fs.join(paths.checkpoint_dir(self.workdir), str(step)),
                 bad,
                 self.num_blocks,
             )
@@ -115,7 +115,7 @@ class Refresher:
             host,
             searcher=searcher,
             extra={
-                "source_checkpoint": os.path.join(paths.checkpoint_dir(self.workdir), str(step)),
+                "source_checkpoint": fs.join(paths.checkpoint_dir(self.workdir), str(step)),
                 "embed_seconds": t_embed,
                 "restore_seconds": t_restore,
             },
@@ -158,9 +158,13 @@ class Refresher:
 
 def _folder_id(mgr, step: int) -> tuple[int, int] | None:
     """Which folder holds checkpoint `step` now (a damaged one the trainer moved aside and
-    saved again is a new folder); None when it is gone."""
+    saved again is a new folder); None when it is gone. On an object store, where folders have
+    no identity, the signature of the step's orbax metadata file (rewritten with the step)."""
+    folder = fs.join(os.fspath(mgr.directory), str(step))
     try:
-        st = os.stat(os.path.join(os.fspath(mgr.directory), str(step)))
+        if fs.is_remote(folder):
+            return fs.signature(fs.join(folder, "_CHECKPOINT_METADATA"))
+        st = os.stat(folder)
     except OSError:
         return None
     return st.st_dev, st.st_ino

@@ -2,7 +2,9 @@
 
 Trainers hold a lease (``in_use/<owner>.json``) on the version they use; `cleanup` keeps the
 newest sound versions plus every leased one, and reaps ``.tmp-*`` directories abandoned by
-crashed writers. Everything here is also importable from ``realm_jax.index``.
+crashed writers. On an object store (gs://) a version folder without its manifest (a writer
+killed mid-publish, or one still writing) is never trusted, and is removed once nothing in it
+has changed for TMP_MAX_AGE_S. Everything here is also importable from ``realm_jax.index``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import shutil
 import socket
 import time
 
+from realm_jax import fs
 from realm_jax.index.store import (
+    MANIFEST,
     WRITER,
     _discard,
     _is_valid,
@@ -34,22 +38,19 @@ _OWNER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 def _lease_path(index_dir: str, owner: str) -> str:
     if not _OWNER_RE.match(owner):
         raise ValueError(f"lease owner must match {_OWNER_RE.pattern}, got {owner!r}")
-    return os.path.join(index_dir, LEASE_DIR, f"{owner}.json")
+    return fs.join(index_dir, LEASE_DIR, f"{owner}.json")
 
 
 def mark_in_use(index_dir: str, step: int, owner: str) -> None:
     """Record (atomically) that `owner` uses version `step`; replaces owner's previous lease."""
     path = _lease_path(index_dir, owner)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fs.makedirs(fs.dirname(path))
     _write_json_atomic(path, {"step": int(step), "time": time.time()})
 
 
 def release(index_dir: str, owner: str) -> None:
     """Drop `owner`'s lease (no error if it has none)."""
-    try:
-        os.remove(_lease_path(index_dir, owner))
-    except FileNotFoundError:
-        pass
+    fs.remove(_lease_path(index_dir, owner))
 
 
 def leased_steps(index_dir: str, *, max_age: float | None = None) -> set[int]:
@@ -57,19 +58,18 @@ def leased_steps(index_dir: str, *, max_age: float | None = None) -> set[int]:
 
     Raises ValueError on an unreadable lease so retention errs on the side of keeping.
     """
-    ldir = os.path.join(index_dir, LEASE_DIR)
+    ldir = fs.join(index_dir, LEASE_DIR)
     steps: set[int] = set()
-    for name in os.listdir(ldir) if os.path.isdir(ldir) else []:
+    for name in fs.listdir(ldir):
         if not name.endswith(".json") or name.startswith("."):
             continue
         try:
-            with open(os.path.join(ldir, name)) as f:
-                lease = json.load(f)
+            lease = json.loads(fs.read_bytes(fs.join(ldir, name)))
             step, stamp = int(lease["step"]), float(lease["time"])
         except FileNotFoundError:
             continue  # released meanwhile
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"unreadable lease {os.path.join(ldir, name)}: {e}") from e
+            raise ValueError(f"unreadable lease {fs.join(ldir, name)}: {e}") from e
         if max_age is None or time.time() - stamp <= max_age:
             steps.add(step)
     return steps
@@ -116,20 +116,31 @@ def _tmp_abandoned(path: str, pid: int, now: float) -> bool:
     return host == socket.gethostname() and not _pid_alive(pid)
 
 
+def _uncommitted_fresh(path: str, now: float) -> bool:
+    """On an object store: a version folder with no manifest whose newest file changed within
+    TMP_MAX_AGE_S (a writer may still be filling it). Locally a version folder only appears
+    by rename, complete, so this never holds there."""
+    if not fs.is_remote(path) or fs.exists(fs.join(path, MANIFEST)):
+        return False
+    times = [fs.mtime(fs.join(path, rel)) for rel in fs.walk_files(path)]
+    return bool(times) and now - max(times) <= TMP_MAX_AGE_S
+
+
 def cleanup(index_dir: str, keep: int, *, lease_max_age: float | None = None) -> list[str]:
     """Retention: keep the newest `keep` sound versions plus every leased one; drop the rest.
 
-    Also removes abandoned `.tmp-*` dirs. Versions failing the cheap verify (no hashing) do
-    not count toward `keep`. An unreadable lease makes this skip version removal entirely.
+    Also removes abandoned `.tmp-*` dirs (local) and, on an object store, version folders
+    left without a manifest for TMP_MAX_AGE_S. Versions failing the cheap verify (no hashing)
+    do not count toward `keep`. An unreadable lease makes this skip version removal entirely.
     Returns the removed paths.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     removed: list[str] = []
-    if not os.path.isdir(index_dir):
+    if not fs.isdir(index_dir):
         return removed
     now = time.time()
-    for name in sorted(os.listdir(index_dir)):
+    for name in sorted(fs.listdir(index_dir) if not fs.is_remote(index_dir) else []):
         m = _TMP_RE.match(name)
         path = os.path.join(index_dir, name)
         if m and os.path.isdir(path) and _tmp_abandoned(path, int(m.group(2)), now):
@@ -142,9 +153,11 @@ def cleanup(index_dir: str, keep: int, *, lease_max_age: float | None = None) ->
         return removed
     kept = 0
     for step in reversed(list_versions(index_dir)):
-        path = os.path.join(index_dir, version_name(step))
+        path = fs.join(index_dir, version_name(step))
         if kept < keep and _is_valid(path, checksum=False):
             kept += 1
+        elif _uncommitted_fresh(path, now):
+            continue  # maybe still being written: its grace period is not over
         elif step not in leased:
             _discard(path)
             _verified.pop(path, None)

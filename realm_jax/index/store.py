@@ -1,8 +1,16 @@
 """Versioned, crash-safe storage of the document-embedding index.
 
-The refresh job publishes ``<index_dir>/step_<08d>/`` (embeddings.npy, manifest.json and an
-optional serialised ScaNN searcher under scann/) by writing everything into a ``.tmp-*``
-directory, fsyncing it and renaming it into place, so a reader never sees a partial version.
+The refresh job publishes ``<index_dir>/step_<08d>/`` (embeddings.npy, an optional serialised
+ScaNN searcher under scann/, and manifest.json). manifest.json is written LAST and is the
+commit marker: it lists every file of the version with its size and sha256, and a reader
+trusts only a version whose manifest exists and verifies.
+- On a local (or NFS) index_dir the version is also built in a ``.tmp-*`` directory, fsynced
+  and renamed into place, so a reader never even sees a partial folder.
+- On an object store (gs://), which has no atomic rename, the files are written in place and
+  the manifest last: a killed writer leaves a folder without a manifest, which readers skip
+  and retention removes after a grace period (index/retention.py).
+Versions written before the manifest listed every file (format 1: the embeddings' sha256 and
+the ScaNN files' sizes) still load, verified as they were then.
 Trainers pick the newest version that verifies and hold a lease (``in_use/<owner>.json``) so
 retention never deletes what they still use; leases and retention live in
 index/retention.py, which imports this module (never the reverse).
@@ -18,14 +26,18 @@ import re
 import secrets
 import shutil
 import socket
+import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
+from realm_jax import fs
+
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: manifest["files"] lists every file with size and sha256
+READ_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
 SCANN_DIR = "scann"
@@ -48,11 +60,7 @@ def version_name(step: int) -> str:
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fs.fsync_dir(path)
 
 
 def _fsync_tree(root: str) -> None:
@@ -65,14 +73,9 @@ def _fsync_tree(root: str) -> None:
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
-    """Write JSON to `path` via a fsynced temp file and a rename."""
-    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    """Write JSON to `path` whole: a fsynced temp file and a rename locally, one object
+    upload on an object store (fs.write_bytes)."""
+    fs.write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 class _HashingWriter:
@@ -110,19 +113,22 @@ def _read_npy_header(f, path: str) -> tuple[tuple[int, ...], bool, np.dtype, int
     return shape, fortran, dtype, f.tell()
 
 
+class UncommittedVersionError(CorruptIndexError):
+    """A version folder without its manifest: being written, or left by a killed writer."""
+
+
 def _load_manifest(path: str) -> dict:
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise CorruptIndexError(f"{path}: version directory does not exist")
-    if not os.path.isfile(mpath):
-        raise CorruptIndexError(f"{path}: missing {MANIFEST}")
+    mpath = fs.join(path, MANIFEST)
     try:
-        with open(mpath) as f:
-            manifest = json.load(f)
+        manifest = json.loads(fs.read_bytes(mpath))
+    except FileNotFoundError:
+        if not fs.isdir(path):
+            raise CorruptIndexError(f"{path}: version directory does not exist") from None
+        raise UncommittedVersionError(f"{path}: missing {MANIFEST} (not committed)") from None
     except (OSError, ValueError) as e:
         raise CorruptIndexError(f"{path}: bad JSON in {MANIFEST} ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptIndexError(f"{path}: {MANIFEST} is not format {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") not in READ_FORMATS:
+        raise CorruptIndexError(f"{path}: {MANIFEST} is not one of formats {READ_FORMATS}")
     missing = [k for k in _CORE_KEYS if k not in manifest]
     if missing:
         raise CorruptIndexError(f"{path}: {MANIFEST} lacks keys {missing}")
@@ -131,17 +137,18 @@ def _load_manifest(path: str) -> dict:
 
 def _check_shape(path: str, manifest: dict, exp_n: int | None, exp_d: int | None) -> None:
     """Compare the .npy header and size with the manifest and the expected shape."""
-    epath = os.path.join(path, EMBEDDINGS)
-    if not os.path.isfile(epath):
-        raise CorruptIndexError(f"{path}: missing {EMBEDDINGS}")
-    with open(epath, "rb") as f:
-        shape, fortran, dtype, offset = _read_npy_header(f, epath)
+    epath = fs.join(path, EMBEDDINGS)
+    try:
+        with fs.open(epath, "rb") as f:
+            shape, fortran, dtype, offset = _read_npy_header(f, epath)
+    except FileNotFoundError:
+        raise CorruptIndexError(f"{path}: missing {EMBEDDINGS}") from None
     n, d = manifest["num_blocks"], manifest["dim"]
     if dtype != np.float32 or fortran or len(shape) != 2:
         raise CorruptIndexError(f"{epath}: expected 2-D C-order float32, got {dtype} {shape}")
     if tuple(shape) != (n, d):
         raise CorruptIndexError(f"{epath}: wrong shape {tuple(shape)}, manifest says {(n, d)}")
-    size, want = os.path.getsize(epath), offset + n * d * 4
+    size, want = fs.size(epath), offset + n * d * 4
     if size != want:
         what = "truncated" if size < want else "has trailing bytes"
         raise CorruptIndexError(f"{epath}: {what} ({size} bytes, expected {want})")
@@ -151,19 +158,46 @@ def _check_shape(path: str, manifest: dict, exp_n: int | None, exp_d: int | None
         raise CorruptIndexError(f"{path}: wrong dim {d}, expected {exp_d}")
 
 
+def _size_or_none(path: str) -> int | None:
+    try:
+        return fs.size(path)
+    except (FileNotFoundError, OSError):
+        return None
+
+
 def _check_scann(path: str, manifest: dict) -> None:
-    """The scann/ files named in the manifest must exist with their recorded sizes."""
+    """Format 1: the scann/ files named in the manifest must exist with their recorded sizes."""
     if not manifest["scann"]:
         return
     for rel, size in manifest.get("scann_files", {}).items():
-        fpath = os.path.join(path, SCANN_DIR, rel)
-        if not os.path.isfile(fpath) or os.path.getsize(fpath) != size:
+        if _size_or_none(fs.join(path, SCANN_DIR, rel)) != size:
             raise CorruptIndexError(f"{path}: ScaNN file {SCANN_DIR}/{rel} missing or resized")
+
+
+def _check_files(path: str, manifest: dict, checksum: bool) -> None:
+    """Format 2: every file the manifest lists exists with its size (and sha256 when
+    `checksum`: one read of each file)."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or EMBEDDINGS not in files:
+        raise CorruptIndexError(f"{path}: {MANIFEST} lists no files")
+    for rel, want in sorted(files.items()):
+        fpath = fs.join(path, *rel.split("/"))
+        got = _size_or_none(fpath)
+        if got != want["size"]:
+            what = "missing" if got is None else f"{got} bytes, manifest says {want['size']}"
+            kind = "ScaNN file" if rel.startswith(f"{SCANN_DIR}/") else "file"
+            raise CorruptIndexError(f"{path}: {kind} {rel} {what}")
+        if checksum and rel != EMBEDDINGS:  # the embeddings are hashed by the caller
+            if (digest := _file_sha256(fpath)) != want["sha256"]:
+                raise CorruptIndexError(
+                    f"{path}: checksum mismatch in {rel} (sha256 {digest[:12]}..., "
+                    f"manifest {want['sha256'][:12]}...)"
+                )
 
 
 def _file_sha256(path: str) -> str:
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
+    with fs.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             sha.update(chunk)
     return sha.hexdigest()
@@ -182,13 +216,16 @@ def verify_version(
     retention uses that cheap form.
     """
     manifest = _load_manifest(path)
-    m = _VERSION_RE.match(os.path.basename(os.path.normpath(path)))
+    m = _VERSION_RE.match(fs.basename(path))
     if m and int(m.group(1)) != manifest["step"]:
         raise CorruptIndexError(f"{path}: manifest step {manifest['step']} != directory name")
     _check_shape(path, manifest, expected_num_blocks, expected_dim)
-    _check_scann(path, manifest)
+    if manifest["format"] == 1:
+        _check_scann(path, manifest)
+    else:
+        _check_files(path, manifest, checksum)
     if checksum:
-        digest = _file_sha256(os.path.join(path, EMBEDDINGS))
+        digest = _file_sha256(fs.join(path, EMBEDDINGS))
         if digest != manifest["sha256"]:
             raise CorruptIndexError(
                 f"{path}: checksum mismatch in {EMBEDDINGS} "
@@ -199,10 +236,9 @@ def verify_version(
 
 def _stat_signature(path: str) -> tuple | None:
     try:
-        sts = [os.stat(os.path.join(path, n)) for n in (MANIFEST, EMBEDDINGS)]
+        return tuple(fs.signature(fs.join(path, n)) for n in (MANIFEST, EMBEDDINGS))
     except OSError:
         return None  # verify_version will name what is missing
-    return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in sts)
 
 
 def _verify_cached(path: str, exp_n: int | None, exp_d: int | None) -> dict:
@@ -215,12 +251,12 @@ def _verify_cached(path: str, exp_n: int | None, exp_d: int | None) -> dict:
 
 
 def list_versions(index_dir: str) -> list[int]:
-    """Steps of the final-named version directories, ascending (temp dirs excluded)."""
-    try:
-        names = os.listdir(index_dir)
-    except FileNotFoundError:
-        return []
-    steps = [int(m.group(1)) for n in names if (m := _VERSION_RE.match(n))]
+    """Steps of the final-named version directories, ascending (temp dirs excluded). On an
+    object store this includes versions still being written (no manifest yet): readers
+    verify before they trust one."""
+    steps = [int(m.group(1)) for n in fs.listdir(index_dir) if (m := _VERSION_RE.match(n))]
+    if fs.is_remote(index_dir):
+        return sorted(steps)  # a listing names folders only (one request, not one per step)
     return sorted(s for s in steps if os.path.isdir(os.path.join(index_dir, version_name(s))))
 
 
@@ -233,19 +269,23 @@ def latest_valid(
 ) -> tuple[int, str] | None:
     """(step, path) of the newest version with step > newer_than that verifies, else None.
 
-    Corrupt versions are skipped with one warning per (path, reason), not one per poll.
+    Corrupt versions are skipped with one warning per (path, reason), not one per poll; an
+    uncommitted one on an object store (no manifest: maybe being written) with an info line.
     """
     for step in reversed(list_versions(index_dir)):
         if step <= newer_than:
             break
-        path = os.path.join(index_dir, version_name(step))
+        path = fs.join(index_dir, version_name(step))
         try:
             _verify_cached(path, expected_num_blocks, expected_dim)
         except (CorruptIndexError, OSError) as e:
             key = (path, str(e))
             if key not in _warned:
                 _warned.add(key)
-                log.warning("skipping index version %s: %s", path, e)
+                # On an object store a folder without a manifest may still be being written.
+                quiet = isinstance(e, UncommittedVersionError) and fs.is_remote(path)
+                level = logging.INFO if quiet else logging.WARNING
+                log.log(level, "skipping index version %s: %s", path, e)
             continue
         return step, path
     return None
@@ -259,10 +299,10 @@ def load_embeddings(path: str, *, verify: bool = True) -> np.ndarray:
     """
     manifest = _load_manifest(path)
     _check_shape(path, manifest, None, None)
-    epath = os.path.join(path, EMBEDDINGS)
-    with open(epath, "rb") as f:
+    epath = fs.join(path, EMBEDDINGS)
+    size = fs.size(epath)
+    with fs.open(epath, "rb") as f:
         _, _, _, offset = _read_npy_header(f, epath)
-        size = os.fstat(f.fileno()).st_size
         f.seek(0)
         buf = bytearray(size)
         view, got = memoryview(buf), 0
@@ -285,32 +325,53 @@ def staleness(train_step: int, index_step: int) -> int:
     return int(train_step) - int(index_step)
 
 
-def _write_version(tmp: str, step: int, arr: np.ndarray, searcher: Any, extra: dict) -> None:
-    """Fill the temp dir: embeddings, optional ScaNN searcher, then the manifest last."""
-    with open(os.path.join(tmp, EMBEDDINGS), "wb") as f:
+def _write_scann(folder: str, searcher: Any) -> dict[str, dict]:
+    """Serialise the searcher into folder/scann/ (through a local temp dir on an object
+    store: ScaNN writes local files); returns {"scann/<rel>": {"size", "sha256"}}."""
+    from realm_jax.index import scann as scann_index  # lazy: only needed with a searcher
+
+    with tempfile.TemporaryDirectory(prefix="realm-scann-") as local:
+        sdir = local if fs.is_remote(folder) else fs.join(folder, SCANN_DIR)
+        scann_index.save_searcher(searcher, sdir)
+        files = {
+            f"{SCANN_DIR}/{rel}": {
+                "size": os.path.getsize(os.path.join(sdir, *rel.split("/"))),
+                "sha256": _file_sha256(os.path.join(sdir, *rel.split("/"))),
+            }
+            for rel in fs.walk_files(sdir)
+        }
+        if fs.is_remote(folder):
+            fs.upload_tree(sdir, fs.join(folder, SCANN_DIR))
+    return files
+
+
+def _write_version(folder: str, step: int, arr: np.ndarray, searcher: Any, extra: dict) -> None:
+    """Fill a version folder: embeddings, optional ScaNN searcher, then the manifest LAST (the
+    commit marker), listing every file with its size and sha256."""
+    with fs.open(fs.join(folder, EMBEDDINGS), "wb") as f:
         writer = _HashingWriter(f)
         np.lib.format.write_array(writer, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    scann_files: dict[str, int] = {}
+        if not fs.is_remote(folder):
+            f.flush()
+            os.fsync(f.fileno())
+    files = {EMBEDDINGS: {"size": fs.size(fs.join(folder, EMBEDDINGS))}}
+    files[EMBEDDINGS]["sha256"] = writer.sha.hexdigest()
     if searcher is not None:
-        from realm_jax.index import (
-            scann as scann_index,  # lazy: scann is only needed when a searcher is given
-        )
-
-        sdir = os.path.join(tmp, SCANN_DIR)
-        scann_index.save_searcher(searcher, sdir)
-        for dirpath, _, names in os.walk(sdir):
-            for name in names:
-                full = os.path.join(dirpath, name)
-                scann_files[os.path.relpath(full, sdir)] = os.path.getsize(full)
+        files.update(_write_scann(folder, searcher))
     core = (FORMAT, int(step), *map(int, arr.shape), writer.sha.hexdigest(), time.time())
     manifest = {"source_checkpoint": None, "embed_seconds": None, **extra}
     manifest.update(zip(_CORE_KEYS, (*core, searcher is not None), strict=True))
-    manifest.update({"scann_files": scann_files} if scann_files else {})
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
+    scann_files = {
+        k.removeprefix(f"{SCANN_DIR}/"): v["size"] for k, v in files.items() if k != EMBEDDINGS
+    }
+    manifest.update({"scann_files": scann_files} if scann_files else {})  # as format 1 read it
+    manifest["files"] = files
+    if fs.is_remote(folder):
+        _write_json_atomic(fs.join(folder, MANIFEST), manifest)  # one object: the commit
+        return
+    with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
-    _fsync_tree(tmp)
+    _fsync_tree(folder)
 
 
 def _is_valid(path: str, checksum: bool = True) -> bool:
@@ -322,7 +383,12 @@ def _is_valid(path: str, checksum: bool = True) -> bool:
 
 
 def _discard(path: str) -> None:
-    """Remove a directory: first rename it to a temp name so it never looks half-deleted."""
+    """Remove a version so that it never looks half-deleted: locally renamed to a temp name
+    first; on an object store its manifest (the commit marker) is deleted first."""
+    if fs.is_remote(path):
+        fs.remove(fs.join(path, MANIFEST))
+        fs.rmtree(path)
+        return
     base = os.path.dirname(path)
     m = _VERSION_RE.match(os.path.basename(path))
     step = int(m.group(1)) if m else 0
@@ -334,6 +400,10 @@ def _discard(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _writer_info() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+
+
 def publish_index(
     index_dir: str,
     step: int,
@@ -342,7 +412,8 @@ def publish_index(
     searcher: Any = None,
     extra: dict | None = None,
 ) -> str:
-    """Atomically publish the embeddings (and optional ScaNN searcher) as version `step`.
+    """Publish the embeddings (and optional ScaNN searcher) as version `step`: atomically on
+    a local filesystem (temp dir + rename), committed by its manifest on an object store.
 
     Idempotent: if a valid version `step` already exists it is kept and its path returned.
     `extra` adds manifest fields (e.g. source_checkpoint, embed_seconds). Retention (keeping
@@ -350,17 +421,24 @@ def publish_index(
     Returns the final version path.
     """
     extra = dict(extra or {})
-    if clash := set(extra) & set(_CORE_KEYS):
+    if clash := set(extra) & set(_CORE_KEYS + ("files",)):
         raise ValueError(f"extra may not override manifest keys {sorted(clash)}")
     arr = _check_embeddings(embeddings)
+    final = fs.join(index_dir, version_name(step))
+    if fs.is_remote(index_dir):
+        if not _is_valid(final):
+            # Uncommit first: a reader must never pair an old manifest with new files.
+            fs.remove(fs.join(final, MANIFEST))
+            fs.write_bytes(fs.join(final, WRITER), _writer_info())
+            _write_version(final, step, arr, searcher, extra)
+        return final
     os.makedirs(index_dir, exist_ok=True)
-    final = os.path.join(index_dir, version_name(step))
     if not (os.path.isdir(final) and _is_valid(final)):
         tmp = os.path.join(index_dir, f".tmp-step_{int(step)}-{os.getpid()}-{secrets.token_hex(4)}")
         os.mkdir(tmp)
         try:
-            with open(os.path.join(tmp, WRITER), "w") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+            with open(os.path.join(tmp, WRITER), "wb") as f:
+                f.write(_writer_info())
             _write_version(tmp, step, arr, searcher, extra)
             _install(tmp, final)
         finally:

@@ -43,24 +43,25 @@ def _layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
 
 
 def _layer_norm_fwd(x, scale, bias, eps):
+    like_x = jnp.zeros((0,), x.dtype)  # dx must come back in x's dtype (bfloat16 compute)
     x = x.astype(jnp.float32)
     mean = x.mean(-1, keepdims=True)
     centred = x - mean
     rstd = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
     xhat = centred * rstd
-    return xhat * scale + bias, (xhat, rstd, scale)
+    return xhat * scale + bias, (xhat, rstd, scale, like_x)
 
 
 def _layer_norm_bwd(eps, residuals, dy):
     """The closed-form LayerNorm gradient: one pass for the two row means, one for dx."""
-    xhat, rstd, scale = residuals
+    xhat, rstd, scale, like_x = residuals
     dy = dy.astype(jnp.float32)
     dxhat = dy * scale
     dx = rstd * (
         dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True)
     )
     lead = tuple(range(dy.ndim - 1))
-    return dx, (dy * xhat).sum(lead), dy.sum(lead)
+    return dx.astype(like_x.dtype), (dy * xhat).sum(lead), dy.sum(lead)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)

@@ -42,20 +42,24 @@ def check_lengths(config, model: RealmModel) -> None:
     check_fits("data.query_len", d.query_len, model.ecfg, "embedder")
 
 
+def state_parts(config):
+    """(model, optimizer, init_params(rng) -> boxed params): what the state is made of."""
+    model = realm_model(config.model)
+    check_lengths(config, model)
+    d = config.data
+    inputs = init_inputs(d.query_len, d.block_len, joint_len(config))
+    return model, make_optimizer(config.train), lambda r: model.init(r, *inputs)["params"]
+
+
 def create_state(config, mesh: Mesh, rng, params_hook=None):
     """The train state created sharded: eval_shape -> logical specs -> jit(out_shardings).
 
     params_hook(params) may replace parameters on the host (weight import) before training.
     Returns (model, optimizer, state, state_shardings).
     """
-    model = realm_model(config.model)
-    check_lengths(config, model)
-    optimizer = make_optimizer(config.train)
-    d = config.data
-    inputs = init_inputs(d.query_len, d.block_len, joint_len(config))
-
+    model, optimizer, init_params = state_parts(config)
     state, shardings = create_sharded(
-        mesh, lambda r: model.init(r, *inputs)["params"], optimizer, rng, params_hook
+        mesh, init_params, optimizer, rng, params_hook, fsdp=config.mesh.get("fsdp", False)
     )
     return model, optimizer, state, shardings
 
@@ -276,7 +280,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         seed=config.train.seed,
     )
     rows = sharding.rows_sharding(mesh)
-    return jax.jit(
+    jitted = jax.jit(
         fn,
         in_shardings=(
             state_shardings,
@@ -288,6 +292,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
     )
+    return sharding.traced_in_mesh(jitted, mesh)
 
 
 def compile_loss(config, mesh: Mesh, model, num_valid: int):

@@ -219,15 +219,21 @@ def check_config(config, model: RealmModel, num_blocks: int, mesh: Mesh) -> None
     check_fits("data.query_len", config.data.query_len, model.ecfg, "embedder")
 
 
-def create_state(config, mesh: Mesh, rng, params_hook=None):
-    """(model, optimizer, state, shardings): all three networks in the state (checkpoints
+def state_parts(config):
+    """(model, optimizer, init_params(rng) -> boxed params): all three networks (checkpoints
     look like pre-training's), the document embedder frozen by the optimizer."""
     model = realm_model(config.model)
     optimizer = freeze_networks(make_optimizer(config.train), FROZEN)
     d = config.data
     inputs = init_inputs(d.query_len, d.block_len, reader_len(config))
+    return model, optimizer, lambda r: model.init(r, *inputs)["params"]
+
+
+def create_state(config, mesh: Mesh, rng, params_hook=None):
+    """(model, optimizer, state, shardings), created sharded."""
+    model, optimizer, init_params = state_parts(config)
     state, shardings = create_sharded(
-        mesh, lambda r: model.init(r, *inputs)["params"], optimizer, rng, params_hook
+        mesh, init_params, optimizer, rng, params_hook, fsdp=config.mesh.get("fsdp", False)
     )
     return model, optimizer, state, shardings
 
@@ -242,12 +248,13 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         **step_kwargs(config, mesh, num_valid),
     )
     rows = sharding.rows_sharding(mesh)
-    return jax.jit(
+    jitted = jax.jit(
         fn,
         in_shardings=(state_shardings, sharding.batch_sharding(mesh), rows, rows),
         out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
     )
+    return sharding.traced_in_mesh(jitted, mesh)
 
 
 def predict(params, question_ids, block_ids, index_emb, index_tokens, *, model, mesh, length):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.lock import workdir_lock
 from realm_jax.train.metrics import MetricWriter, Progress, line
@@ -53,7 +53,7 @@ class Task:
 
 # config.model fields that say how the networks compute, not what a checkpoint holds: a resume
 # may change them (the init_* weight sources are read only before the first checkpoint).
-UNFINGERPRINTED_MODEL_FIELDS = ("dtype", "remat", "dropout", "proj_dropout")
+UNFINGERPRINTED_MODEL_FIELDS = ("dtype", "remat", "remat_policy", "dropout", "proj_dropout")
 
 
 def _flat(prefix: str, tree, out: dict) -> None:
@@ -110,7 +110,7 @@ def setup(config, workdir: str):
     [N, block_len], doc_ids, titles))."""
     from realm_jax.data import prepared  # TFDS: not for every command that imports the loop
 
-    os.makedirs(workdir, exist_ok=True)
+    fs.makedirs(workdir)
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_batch(config.train.batch_size, mesh)
     ddir = paths.data_dir(config, workdir)
@@ -197,6 +197,21 @@ def _console(prefix: str, step: int, total: int, values: dict, keys, prog: dict)
     return prefix + line(step, total, shown, prog)
 
 
+def _example_ids_log(config, workdir: str):
+    """The open file train.record_example_ids appends to (None when off): one JSON line per
+    step, {"step": s, "example_ids": [...]}, the ids of the prepared examples step s trained
+    on (process 0's share), taken from the host batch so it costs no device sync. A resumed
+    run appends the steps it redoes again: the last line of a step is what it trained on."""
+    if not config.train.get("record_example_ids", False) or jax.process_index() != 0:
+        return None
+    f = open(paths.example_ids_path(workdir), "ab+")  # appends; reads follow seek
+    if f.seek(0, io.SEEK_END) > 0:
+        f.seek(-1, io.SEEK_END)
+        if f.read(1) != b"\n":  # a line cut by a kill stays alone, never joins the next one
+            f.write(b"\n")
+    return f
+
+
 def run(
     config,
     workdir: str,
@@ -218,6 +233,7 @@ def run(
     stop.install()
     history: list[dict] = []
     step, extra = start, {}
+    ids_log = _example_ids_log(config, workdir)
     ready = -1  # the step before_step last ran for
 
     def prepare(step: int) -> None:
@@ -244,9 +260,15 @@ def run(
             evaluate(0)
         while step < tc.steps:
             prepare(step)
-            batch = sharding.global_batch(next(it), mesh)
+            local = next(it)
+            example_ids = local.pop("example_id", None)  # host-side: never sent to the device
+            batch = sharding.global_batch(local, mesh)
             state, metrics = task.step(state, batch)
             step += 1
+            if ids_log is not None and example_ids is not None:
+                record = {"step": step, "example_ids": example_ids.tolist()}
+                ids_log.write(json.dumps(record).encode() + b"\n")
+                ids_log.flush()  # one write(2): a kill -9 loses at most this line
             at_log = step % tc.log_every == 0 or step == tc.steps
             at_save = step % tc.checkpoint_every == 0 or step == tc.steps
             if at_log or at_save:  # the host reads the metrics only here
@@ -275,7 +297,32 @@ def run(
     finally:
         mgr.wait_until_finished()
         writer.close()
+        if ids_log is not None:
+            ids_log.close()
         stop.uninstall()
         if task.close is not None:
             task.close()
+    if history and jax.process_index() == 0:
+        write_final_metrics(workdir, step, tc.steps, history, task)
     return history
+
+
+def write_final_metrics(workdir: str, step: int, steps: int, history: list[dict], task: Task):
+    """WORKDIR/metrics.json, for sweeps (`realm-jax sweep`) and scripts: the last step, the
+    last logged train metrics and the latest held-out evaluation, with the keys the task shows
+    on the console. A resumed run updates the file, keeping an evaluation it did not redo."""
+    path = paths.metrics_path(workdir)
+    out = {}
+    if fs.exists(path):
+        out = json.loads(fs.read_text(path))
+    train = [h for h in history if not any(k.startswith("eval/") for k in h)]
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    out.update(step=step, steps=steps, complete=step >= steps, task=task.name)
+    out["console_keys"] = {"train": list(task.console_keys), "eval": list(task.eval_console_keys)}
+    if train:
+        out["train_step"] = train[-1]["step"]
+        out["train"] = {k: v for k, v in train[-1].items() if k != "step"}
+    if evals:
+        out["eval_step"] = evals[-1]["step"]
+        out["eval"] = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    fs.write_text(path, json.dumps(out, indent=2, sort_keys=True, default=float))

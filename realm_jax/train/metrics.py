@@ -3,35 +3,46 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import jax
+
+from realm_jax import fs
 
 log = logging.getLogger("realm_jax")
 
 
 class MetricWriter:
-    """Writes scalars to <workdir>/tb (process 0 only)."""
+    """Writes scalars to <workdir>/tb (process 0 only).
+
+    On gs:// tensorboardX (through google-cloud-storage) re-uploads the whole event file at
+    every flush, so there the file is flushed every REMOTE_FLUSH_SECONDS and at close, not
+    after every write."""
+
+    REMOTE_FLUSH_SECONDS = 60
 
     def __init__(self, logdir: str):
         self.writer = None
+        self.flush_each = not fs.is_remote(logdir)
         if jax.process_index() == 0:
             from tensorboardX import SummaryWriter
 
-            os.makedirs(logdir, exist_ok=True)
-            self.writer = SummaryWriter(logdir)
+            fs.makedirs(logdir)
+            flush_secs = 120 if self.flush_each else self.REMOTE_FLUSH_SECONDS
+            self.writer = SummaryWriter(logdir, flush_secs=flush_secs)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:
             return
         for k, v in values.items():  # TensorBoard tags may not hold '@'
             self.writer.add_scalar(k.replace("@", "_at_"), float(v), step)
-        self.writer.flush()
+        if self.flush_each:
+            self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None  # a gs:// record writer uploads once more when collected
 
 
 def format_seconds(s: float) -> str:

@@ -45,20 +45,7 @@ def guarded_update(state: TrainState, grads, metrics: dict, optimizer) -> TrainS
     )
 
 
-def create_sharded(
-    mesh: Mesh,
-    init_params: Callable[[jax.Array], Any],
-    optimizer,
-    rng,
-    params_hook: Callable[[Any], Any] | None = None,
-):
-    """The state created sharded: eval_shape -> logical specs -> jit(init, out_shardings).
-
-    init_params(rng) returns the (logically boxed) params; params_hook(params) may replace
-    them on the host (weight import) before the optimizer state is built from them.
-    Returns (state, state_shardings).
-    """
-
+def _state_init(init_params: Callable[[jax.Array], Any], optimizer):
     def init(rng):
         params = init_params(rng)
         return TrainState(
@@ -68,7 +55,41 @@ def create_sharded(
             nonfinite=jnp.zeros((), jnp.int32),
         )
 
-    shardings = sharding.logical_shardings(mesh, jax.eval_shape(init, rng))
+    return init
+
+
+def abstract_sharded(
+    mesh: Mesh, init_params: Callable[[jax.Array], Any], optimizer, fsdp: bool = False
+):
+    """(the state as ShapeDtypeStructs carrying their shardings, state_shardings), computed
+    without allocating anything: what `plan` compiles against."""
+    boxed = jax.eval_shape(_state_init(init_params, optimizer), jax.random.key(0))
+    shardings = sharding.logical_shardings(mesh, boxed, fsdp)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.meta.unbox(boxed),
+        shardings,
+    )
+    return abstract, shardings
+
+
+def create_sharded(
+    mesh: Mesh,
+    init_params: Callable[[jax.Array], Any],
+    optimizer,
+    rng,
+    params_hook: Callable[[Any], Any] | None = None,
+    fsdp: bool = False,
+):
+    """The state created sharded: eval_shape -> logical specs -> jit(init, out_shardings).
+
+    init_params(rng) returns the (logically boxed) params; params_hook(params) may replace
+    them on the host (weight import) before the optimizer state is built from them. fsdp:
+    parameters and optimizer state sharded over 'data' too (config mesh.fsdp).
+    Returns (state, state_shardings).
+    """
+    init = _state_init(init_params, optimizer)
+    shardings = sharding.logical_shardings(mesh, jax.eval_shape(init, rng), fsdp)
     state = nn.meta.unbox(jax.jit(init, out_shardings=shardings)(rng))
     if params_hook is not None:
         params = jax.device_put(params_hook(jax.device_get(state.params)), shardings.params)

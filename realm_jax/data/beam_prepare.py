@@ -1,0 +1,535 @@
+"""`prepare` on Apache Beam: the same datasets as data/prepare.py's in-process path, built by
+TFDS's Beam support (a builder whose split is a PCollection), the way TFDS builds Wikipedia.
+
+Nothing holds the corpus: the input file is cut into byte ranges ("chunks", data.beam_chunk_kb);
+a worker reads the lines starting in its range, so every stage streams. Four pipelines run:
+
+  scan           every line parsed and checked once: lines per chunk (for file:line numbers and
+                 "<stem>:<line>" ids), bad lines, duplicate ids (a GroupByKey on the id).
+                 Bad input stops here with the in-process path's message, before any NER.
+  blocks         chunk -> documents -> blocks (tokenise, split) -> dense ids -> TFDS writer;
+                 and the sentence table: every block's sentences, numbered, as JSON lines
+  eval_examples, sentence table -> one split's share -> tokenise, spaCy NER (one model per
+  examples       worker, loaded in DoFn.setup) -> dense example ids -> TFDS writer
+
+Deterministic ids without a global counter: records travel in batches keyed by their place in
+the corpus, (chunk, batch within chunk), each made by one worker in input order. Counting the
+records of every batch and summing the counts of the batches before it (a small side input, one
+int per batch) gives each batch its first id: block_id, the sentence index (the random-masking
+seed) and example_id come out exactly as the in-process path numbers them. The TFDS builders
+disable shuffling, so the Beam writer orders records by their integer key: keyed by id, record i
+is block (or example) i, which the readers, the index and the trainer rely on.
+
+Memory: a worker holds one chunk of text and its blocks, or one batch of sentences, at a time,
+and the TFDS writer one output shard (ShardConfig's size limit); what crosses a shuffle or waits
+for a side input (the batches before their ids are known, the writer's shards) is held by the
+runner: disk-backed on Dataflow, in memory on Beam's DirectRunner (docs/benchmarks.md measures
+both sides).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import logging
+import os
+import shlex
+import shutil
+import time
+
+import apache_beam as beam
+import numpy as np
+import tensorflow_datasets as tfds
+from apache_beam.io.filesystems import CompressionTypes, FileSystems
+
+from realm_jax import tokenization as tk
+from realm_jax.data import corpus as corpus_lib
+from realm_jax.data import masking
+from realm_jax.data import prepare as local
+from realm_jax.data.prepared import PrepareError, is_eval
+
+BATCH = 256  # blocks per batch; a batch's sentences go through one NER nlp.pipe call
+# The fields the workers need (a plain dict travels to workers; a locked ConfigDict need not).
+OPT_FIELDS = (*local.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb")
+
+
+class _Opts(dict):
+    """The data config as a picklable dict that also reads as attributes (data.block_len)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def supported(data) -> str:
+    """'' when the Beam path can prepare this input, else why not (it reads line files)."""
+    if data.sentences:
+        return "data.sentences (a separate pre-training text) is read by the in-process path only"
+    if os.path.isdir(data.corpus) or not data.corpus.endswith((".jsonl", ".json", ".tsv", ".txt")):
+        return f"{data.corpus}: the Beam path reads .jsonl/.tsv files (a .txt folder is in-process)"
+    return ""
+
+
+# ------------------------------------------------------------------------------- reading lines
+def _size(path: str) -> int:
+    return FileSystems.match([path])[0].metadata_list[0].size_in_bytes
+
+
+def chunk_lines(path: str, k: int, chunk_bytes: int):
+    """The raw lines (bytes, newline kept) that start in bytes [k * chunk_bytes, (k+1) * ...):
+    every line belongs to exactly one chunk, so chunks read in parallel cover the file once."""
+    start, end = k * chunk_bytes, (k + 1) * chunk_bytes
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        if start > 0:
+            f.seek(start - 1)
+            if f.read(1) != b"\n":
+                f.readline()  # a line begun before the chunk: the previous chunk's
+        while f.tell() < end:
+            line = f.readline()
+            if not line:
+                return
+            yield line
+
+
+def parse_line(path: str, n, raw: bytes, r: corpus_lib._Reader, first: bool):
+    """One corpus line -> (doc_id, title, text), or None (blank, a TSV header, or bad input,
+    which r raises or counts exactly as corpus.read_documents does). n is the line number
+    (or a unique placeholder during the scan); first: the file's first line (a TSV header?).
+    r's duplicate check is not used: the scan finds duplicates across the whole file."""
+    where = f"{path}:{n}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return r.bad("bad_utf8", where, f"invalid UTF-8 ({e.reason} at byte {e.start})")
+    if not line.strip():
+        return None
+    line = line.rstrip("\r\n")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if path.endswith((".jsonl", ".json")):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            return r.bad("bad_json", where, f"malformed JSON ({e.msg})")
+        if not isinstance(obj, dict):
+            return r.bad("bad_json", where, "a line must be a JSON object")
+        doc_id = str(obj["id"]) if obj.get("id") not in (None, "") else f"{stem}:{n}"
+        return r.check(where, doc_id, obj.get("title"), obj.get("text"))
+    cols = line.split("\t")  # the TSV reader's csv.QUOTE_NONE split is a plain tab split
+    if first and [c.lower() for c in cols] in (["id", "title", "text"], ["title", "text"]):
+        return None
+    if len(cols) == 3:
+        doc_id, title, text = cols
+    elif len(cols) == 2:
+        (title, text), doc_id = cols, f"{stem}:{n}"
+    else:
+        return r.bad(
+            "missing_field", where, f"expected 2 or 3 tab-separated columns, got {len(cols)}"
+        )
+    return r.check(where, doc_id or f"{stem}:{n}", title, text)
+
+
+def _scan_chunk(k: int, path: str, chunk_bytes: int):
+    """Per chunk: ("chunk", (k, lines, bad lines, counts)) and ("id", (doc_id, (k, line))).
+    Line numbers are chunk-local here (the chunks before are not counted yet)."""
+    lines, bad, stats = 0, [], collections.Counter()
+    for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
+        lines += 1
+        r = corpus_lib._Reader(True, collections.Counter())
+        r.seen = _NeverSeen()
+        # A placeholder line number: unique, so defaulted ids ("<stem>:<line>") never collide.
+        n, first = f"@{k}:{i}", k == 0 and i == 0
+        doc = parse_line(path, n, raw, r, first)
+        skipped = [key for key in r.stats if key.startswith("skipped_")]
+        if skipped:  # bad: keep the kind, and the message the raising reader gives
+            bad.append((i, skipped[0].removeprefix("skipped_"), _message(path, n, raw, first)))
+        elif doc is not None:
+            stats["valid"] += 1
+            yield beam.pvalue.TaggedOutput("ids", (doc[0], (k, i)))
+    yield (k, lines, bad, dict(stats))
+
+
+class _NeverSeen(set):
+    """A `seen` set that never matches: duplicates are the scan's GroupByKey's job."""
+
+    def __contains__(self, item):
+        return False
+
+
+def _message(path: str, n, raw: bytes, first: bool) -> str:
+    """The bad-input message of a line without "file:line: " and the skip hint (the driver
+    adds both back)."""
+    r = corpus_lib._Reader(False, collections.Counter())
+    r.seen = _NeverSeen()
+    try:
+        parse_line(path, n, raw, r, first)
+    except corpus_lib.CorpusError as e:
+        return str(e).removeprefix(f"{path}:{n}: ").removesuffix(f" ({corpus_lib.SKIP_HINT})")
+    return "bad input"
+
+
+def _write_json(obj, path: str) -> None:
+    with FileSystems.create(path) as f:
+        f.write(json.dumps(obj).encode())
+
+
+def _read_json(path: str):
+    with FileSystems.open(path) as f:
+        return json.loads(f.read().decode())
+
+
+def scan(opts: _Opts, runner, options, out: str) -> dict:
+    """Run the scan pipeline; returns {"lines": [per chunk], "bad": [...], "dups": [...],
+    "valid": n} with (chunk, local line) positions."""
+    chunk_bytes = opts.beam_chunk_kb * 1024
+    num_chunks = max(1, -(-_size(opts.corpus) // chunk_bytes))
+    with beam.Pipeline(runner=runner, options=options) as p:
+        res = (
+            p
+            | "Chunks" >> beam.Create(range(num_chunks))
+            | "Reshuffle" >> beam.Reshuffle()
+            | "Scan"
+            >> beam.FlatMap(_scan_chunk, opts.corpus, chunk_bytes).with_outputs(
+                "ids", main="chunks"
+            )
+        )
+        dups = (
+            res.ids
+            | "ById" >> beam.GroupByKey()
+            | "Later" >> beam.FlatMap(lambda kv: [(pos, kv[0]) for pos in sorted(kv[1])[1:]])
+        )
+        _ = (
+            res.chunks
+            | "AllChunks" >> beam.combiners.ToList()
+            | "Write"
+            >> beam.Map(
+                lambda chunks, dups: _write_json(
+                    {"chunks": sorted(chunks), "dups": sorted(dups)}, out
+                ),
+                dups=beam.pvalue.AsList(dups),
+            )
+        )
+    raw = _read_json(out)
+    lines = [0] * num_chunks
+    bad, valid = [], 0
+    for k, n, b, stats in raw["chunks"]:
+        lines[k] = n
+        bad += [((k, i), kind, msg) for i, kind, msg in b]
+        valid += stats.get("valid", 0)
+    dups = [(tuple(pos), doc_id) for pos, doc_id in raw["dups"]]
+    return {"lines": lines, "bad": sorted(bad), "dups": dups, "valid": valid}
+
+
+def check_scan(opts: _Opts, res: dict, stats: collections.Counter) -> dict:
+    """Raise the in-process path's CorpusError for the first bad line (skip_bad_input=False),
+    or count the skips; returns {chunk: first line number} for the builders."""
+    first = np.concatenate([[0], np.cumsum(res["lines"])]).tolist()  # lines before chunk k
+    problems = sorted(
+        [(pos, kind, msg) for pos, kind, msg in res["bad"]]
+        + [(pos, "duplicate_id", f"duplicate document id {d!r}") for pos, d in res["dups"]]
+    )
+    if problems and not opts.skip_bad_input:
+        (k, i), _, msg = problems[0]
+        raise corpus_lib.CorpusError(
+            f"{opts.corpus}:{first[k] + i + 1}: {msg} ({corpus_lib.SKIP_HINT})"
+        )
+    for _, kind, _ in problems:
+        stats[f"skipped_{kind}"] += 1
+    stats["documents"] += res["valid"] - len(res["dups"])
+    return {"first_line": first, "skip": sorted(pos for pos, _ in res["dups"])}
+
+
+# ------------------------------------------------------------------------------------ blocking
+def _chunk_blocks(k: int, opts: _Opts, plan: dict):
+    """One chunk's documents -> ((k, j), [Block]) batches in corpus order (local block ids),
+    plus ("stats", Counter) of blocks and empty documents."""
+    path, skip, first = opts.corpus, set(map(tuple, plan["skip"])), plan["first_line"][k]
+    r = corpus_lib._Reader(True, collections.Counter())
+    r.seen = _NeverSeen()
+    docs = []
+    for i, raw in enumerate(chunk_lines(path, k, opts.beam_chunk_kb * 1024)):
+        doc = parse_line(path, first + i + 1, raw, r, first + i == 0)
+        if doc is not None and (k, i) not in skip:
+            docs.append(doc)
+    stats, batch, j = collections.Counter(), [], 0
+    for chunk in local._chunks(docs, local.CHUNK):
+        titles = tk.wordpieces([t for _, t, _ in chunk])
+        bodies = tk.wordpieces([b for _, _, b in chunk])
+        sents = masking.split_sentences(b for _, _, b in chunk)
+        for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
+            new = corpus_lib.split_blocks(doc_id, title, body, t.ids, b, s, opts.block_len, 0)
+            if not new:
+                stats["skipped_empty_text"] += 1
+            stats["blocks"] += len(new)
+            batch.extend(new)
+            while len(batch) >= BATCH:
+                yield ((k, j), batch[:BATCH])
+                batch, j = batch[BATCH:], j + 1
+    if batch:
+        yield ((k, j), batch)
+    yield beam.pvalue.TaggedOutput("stats", stats)
+
+
+def _offsets(counts: list) -> dict:
+    """{batch key: records in the batches before it} from [(batch key, count)]."""
+    out, total = {}, 0
+    for key, n in sorted(counts):
+        out[key] = total
+        total += n
+    return out
+
+
+def dense_ids(batches, name: str):
+    """(key, [records]) -> (key, first id, [records]): ids 0..N-1 in key order."""
+    offsets = (
+        batches
+        | f"{name}Count" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
+        | f"{name}Counts" >> beam.combiners.ToList()
+        | f"{name}Offsets" >> beam.Map(_offsets)
+    )
+    return batches | f"{name}Ids" >> beam.Map(
+        lambda kv, off: (kv[0], off[kv[0]], kv[1]), off=beam.pvalue.AsSingleton(offsets)
+    )
+
+
+def blocks(pipeline, opts: _Opts, plan: dict):
+    """(batch key, first block id, [Block]) and a stats PCollection."""
+    res = (
+        pipeline
+        | "Chunks" >> beam.Create(range(len(plan["first_line"]) - 1))
+        | "Spread" >> beam.Reshuffle()  # one chunk per worker at a time
+        | "Blocks" >> beam.FlatMap(_chunk_blocks, opts, plan).with_outputs("stats", main="blocks")
+    )
+    return dense_ids(res.blocks, "Block"), res.stats
+
+
+def _block_examples(batch):
+    _, first, bs = batch
+    for i, b in enumerate(bs):
+        yield first + i, local.block_record(dataclasses.replace(b, block_id=first + i))
+
+
+# ------------------------------------------------------------------------------------ masking
+def _sentences(batch, opts: _Opts):
+    """A block batch -> one sentence batch (text, block id, doc id, held out?) in order."""
+    key, first, bs = batch
+    out = [
+        (
+            b.text[cs:ce],
+            first + i,
+            b.doc_id,
+            is_eval(local._split_key(opts, b.doc_id, b.title), opts.eval_fraction, opts.seed),
+        )
+        for i, b in enumerate(bs)
+        for cs, ce in b.sentences
+    ]
+    if out:
+        yield key, out
+
+
+class MaskBatch(beam.DoFn):
+    """Sentence batch -> (key, [example records without example_id]) of one split: tokenise,
+    drop short sentences, find salient spans (spaCy NER, loaded once per worker in setup)."""
+
+    def __init__(self, opts: _Opts, held_out: bool):
+        self.opts, self.held_out = opts, held_out
+
+    def setup(self):
+        self.stats = collections.Counter()
+        self.masker = local.make_masker(self.opts, self.stats, 1)
+
+    def process(self, batch):
+        _, first, sents = batch
+        mine = [(first + m, s) for m, s in enumerate(sents) if s[3] == self.held_out]
+        self.stats.clear()  # the masker counts its skips here: one batch's worth
+        encs = tk.wordpieces([s[0] for _, s in mine])
+        keep = [m for m, e in enumerate(encs) if len(e.ids) >= self.opts.min_sentence_tokens]
+        cands = self.masker.candidates([mine[m][1][0] for m in keep])
+        records = []
+        for m, cand in zip(keep, cands, strict=True):
+            index, (text, block_id, doc_id, _) = mine[m]
+            spans = self.masker.choices(index, text, encs[m].offsets, cand)
+            if spans:
+                rec = local.example_record(
+                    -1, block_id, doc_id, text, encs[m].ids, spans, self.opts.query_len
+                )
+                records.append(rec)
+                self.stats["salient_spans"] += len(spans)
+        self.stats["sentences"] += len(mine)
+        self.stats["skipped_short_sentence"] += len(mine) - len(keep)
+        self.stats["kept"] += len(records)
+        self.stats["mode_" + self.masker.mode] += 1
+        yield beam.pvalue.TaggedOutput("stats", collections.Counter(self.stats))
+        if records:
+            yield batch[0], records
+
+
+def write_sentences(bl, opts: _Opts, prefix: str) -> None:
+    """Block batches -> the sentence table (JSON lines, one numbered sentence batch a line)
+    that both example pipelines read, so documents are tokenised and blocked once."""
+    _ = (
+        dense_ids(bl | "Sentences" >> beam.FlatMap(_sentences, opts), "Sentence")
+        | "SentenceJson" >> beam.Map(json.dumps)
+        | "WriteSentences" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
+    )
+
+
+def _sentence_batch(line: str):
+    key, first, sents = json.loads(line)
+    return tuple(key), first, sents
+
+
+def examples(pipeline, opts: _Opts, prefix: str, held_out: bool):
+    """(example_id, record) of one split, and a stats PCollection."""
+    res = (
+        pipeline
+        | "ReadSentences" >> beam.io.ReadFromText(prefix + "*")
+        | "SentenceBatches" >> beam.Map(_sentence_batch)
+        | "Mask" >> beam.ParDo(MaskBatch(opts, held_out)).with_outputs("stats", main="ex")
+    )
+
+    def keyed(batch):
+        _, first, records = batch
+        for i, rec in enumerate(records):
+            yield first + i, {**rec, "example_id": first + i}
+
+    return dense_ids(res.ex, "Example") | "Keyed" >> beam.FlatMap(keyed), res.stats
+
+
+# -------------------------------------------------------------------------------- TFDS builders
+def _add(a: dict, b: dict) -> collections.Counter:
+    return collections.Counter(a) + collections.Counter(b)
+
+
+def _write_stats(stats, path: str) -> None:
+    """Sum the stats Counters of every batch into one small JSON file the driver reads."""
+    _ = (
+        stats
+        | "SumStats" >> beam.CombineGlobally(lambda cs: functools.reduce(_add, cs, {}))
+        | "WriteStats" >> beam.Map(lambda c: _write_json(dict(c), path))
+    )
+
+
+class _BeamBlocks(local.RealmBlocks, skip_registration=True):
+    """RealmBlocks whose train split is a PCollection built in the pipeline TFDS runs."""
+
+    name = "realm_blocks"  # the in-process builder's folder name: readers find both alike
+
+    def __init__(self, *, opts=None, plan=None, stats_path="", **kwargs):
+        self._opts, self._plan, self._stats_path = opts, plan, stats_path
+        super().__init__(**kwargs)
+
+    def _split_generators(self, dl_manager, pipeline):
+        bl, stats = blocks(pipeline, self._opts, self._plan)
+        _write_stats(stats, self._stats_path)
+        write_sentences(bl, self._opts, self._plan["sentences"])
+        return {"train": bl | "Records" >> beam.FlatMap(_block_examples)}
+
+
+class _BeamExamples(local.RealmExamples, skip_registration=True):
+    """RealmExamples of the training sentences (held_out=False) or the held-out ones."""
+
+    name = "realm_examples"
+
+    def __init__(self, *, opts=None, plan=None, stats_path="", held_out=False, **kwargs):
+        self._opts, self._plan, self._stats_path = opts, plan, stats_path
+        self._held_out = held_out
+        super().__init__(**kwargs)
+
+    def _split_generators(self, dl_manager, pipeline):
+        ex, stats = examples(pipeline, self._opts, self._plan["sentences"], self._held_out)
+        _write_stats(stats, self._stats_path)
+        return {"train": ex}
+
+
+def _build(cls, folder: str, config, **kwargs) -> bool:
+    """Build one dataset; False when it has no records (TFDS cannot write an empty dataset)."""
+    builder = cls(data_dir=folder, **kwargs)
+    try:
+        builder.download_and_prepare(
+            file_format="array_record",
+            download_dir=os.path.join(folder, "downloads"),
+            download_config=config,
+        )
+    except Exception as e:  # the Beam writer's "number of generated examples is 0" check
+        if "generated examples is 0" not in str(e):
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
+    shutil.rmtree(os.path.join(folder, "downloads"), ignore_errors=True)
+    return True
+
+
+def runner_name(runner: str) -> str:
+    """Beam's DirectRunner tries the Prism runner first (a Go binary it downloads), then falls
+    back to the FnApiRunner; name the FnApiRunner directly: it works offline and honours
+    --direct_num_workers / --direct_running_mode."""
+    return "FnApiRunner" if runner in ("", "DirectRunner") else runner
+
+
+def default_options() -> str:
+    """Beam's DirectRunner with one worker process per core."""
+    return (
+        f"--direct_num_workers={os.cpu_count() or 1} --direct_running_mode=multi_processing "
+        "--default_sdk_harness_log_level=WARNING"
+    )
+
+
+# Counts the in-process path always reports (others only when non-zero).
+ALWAYS = (
+    "documents",
+    "blocks",
+    "sentences",
+    "skipped_short_sentence",
+    "examples",
+    "eval_examples",
+    "salient_spans",
+)
+
+
+def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: str) -> str:
+    """Build blocks/, examples/ and eval_examples/ under tmp (one missing when it would be
+    empty; prepare.py explains); fills stats as the in-process path does; returns the
+    effective masking mode. Bad input raises the in-process path's CorpusError."""
+    why = supported(data)
+    if why:
+        raise PrepareError(f"data.engine='beam': {why}; use --config.data.engine=local")
+    opts = _Opts({k: data[k] for k in OPT_FIELDS})
+    options, runner = options or default_options(), runner_name(runner)
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)  # per-stage INFO chatter
+    pipe_opts = beam.options.pipeline_options.PipelineOptions(shlex.split(options))
+    work = os.path.join(tmp, "beam")
+    os.makedirs(work, exist_ok=True)
+    print(f"prepare on Apache Beam: runner {runner}, options {options!r}")
+    t0 = time.time()
+    plan = check_scan(opts, scan(opts, runner, pipe_opts, os.path.join(work, "scan.json")), stats)
+    print(f"prepare on Apache Beam: scan pipeline took {time.time() - t0:.1f}s")
+    plan["sentences"] = os.path.join(work, "sentences")
+    dl = tfds.download.DownloadConfig(beam_runner=runner, beam_options=pipe_opts)
+
+    def run(name: str, cls, **kw) -> dict:
+        path, t0 = os.path.join(work, f"{name}.stats.json"), time.time()
+        _build(cls, os.path.join(tmp, name), dl, opts=opts, plan=plan, stats_path=path, **kw)
+        print(f"prepare on Apache Beam: {name} pipeline took {time.time() - t0:.1f}s")
+        return _read_json(path) if os.path.exists(path) else {}
+
+    got = [run("blocks", _BeamBlocks)]
+    if stats["documents"] and got[0].get("blocks"):
+        if data.eval_fraction > 0:
+            got.append(run("eval_examples", _BeamExamples, held_out=True))
+            stats["eval_examples"] = got[-1].get("kept", 0)
+        got.append(run("examples", _BeamExamples, held_out=False))
+        stats["examples"] = got[-1].get("kept", 0)
+    for g in got:
+        stats.update({k: v for k, v in g.items() if not k.startswith("mode_") and k != "kept"})
+    for key in list(stats):
+        if not stats[key] and key not in ALWAYS:
+            del stats[key]
+    for key in ALWAYS:
+        stats[key] += 0
+    shutil.rmtree(work, ignore_errors=True)
+    random = data.masking == "random" or any(g.get("mode_random") for g in got)
+    return "random" if random else "salient"

@@ -1,0 +1,521 @@
+"""`realm-jax plan`: will this config fit that TPU slice? Answered on a laptop, before launch.
+
+    python -m realm_jax plan --config configs/realm.py:base --topology v3-64
+
+compiles the task's programs ahead of time for the topology, as maxtext's train_compile.py
+does: with libtpu installed (`make plan` keeps it in its own venv, .venv-plan),
+`jax.experimental.topologies.get_topology_desc` describes the slice's devices without a TPU
+and `jax.jit(...).lower(<ShapeDtypeStructs with NamedShardings>).compile()` runs the real TPU
+compiler; its `memory_analysis()` gives each device's argument, output and temporary bytes.
+Without libtpu the same programs are compiled for as many fake CPU devices (XLA:CPU's figures,
+which differ from TPU's; the output says so).
+
+Per program (the REALM train step and the refresh job's corpus embedding; the ICT step; the
+QA fine-tuning step and its index embedding) and per device it prints the parameters, the
+optimizer state, the block-embedding and token-table shards, the batch shard, and XLA's
+temporaries, against the chip's HBM, and exits non-zero (PlanError, one line) when a program
+does not fit, when the mesh does not divide the batch, or when the mesh has an axis no rule
+uses. `--json FILE` writes the same figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import re
+
+GiB = 1024**3
+# REALM's Wikipedia (December 2018): 13,353,718 blocks of up to 288 wordpieces (paper, §4.3).
+WIKIPEDIA_BLOCKS = 13_353_718
+
+log = logging.getLogger("realm_jax.plan")
+
+
+class PlanError(ValueError):
+    """A topology, mesh or config that cannot run, or a program that does not fit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    prefix: str  # libtpu's topology prefix ("v5" is v5p)
+    dims: int  # 2-D (v2, v3, v5e, v6e) or 3-D torus (v4, v5p)
+    cores_in_name: bool  # "v4-64" counts TensorCores (2 a chip); "v5e-64" counts chips
+    devices_per_chip: int  # JAX devices a chip shows: 2 (v2/v3 cores) or 1 (megacore, v5e)
+    hbm_gib: float  # HBM per JAX device
+    chip_config: str = "default"  # libtpu's chip_config_name
+
+
+# Public Cloud TPU figures: v2 8 GiB and v3 16 GiB per TensorCore (each a device); v4 32 GiB,
+# v5p 95 GiB per chip (megacore: one device); v5e 16 GiB, v6e 32 GiB per chip.
+FAMILIES = {
+    "v2": Family("v2", 2, True, 2, 8),
+    "v3": Family("v3", 2, True, 2, 16),
+    "v4": Family("v4", 3, True, 1, 32, "megacore"),
+    "v5p": Family("v5", 3, True, 1, 95, "megacore"),
+    "v5e": Family("v5e", 2, False, 1, 16),
+    "v6e": Family("v6e", 2, False, 1, 32),
+}
+PREFIX_FAMILY = {f.prefix: name for name, f in FAMILIES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What to compile for: a TPU slice (topology) or N fake CPU devices."""
+
+    name: str  # as asked: "v3-64", "v4:2x2x2", "cpu:8"
+    platform: str  # "tpu" or "cpu"
+    num_devices: int
+    hbm_bytes: int | None  # per device (None: unknown, for cpu:N without --hbm_gib)
+    topology: str = ""  # libtpu's name, e.g. "v3:4x8"
+    chip_config: str = "default"
+    family: str = ""
+
+
+def _chip_grid(chips: int, dims: int) -> tuple[int, ...]:
+    """The standard slice shape of a power-of-two chip count: 2-D doubles the smaller side
+    (4 -> 2x2, 8 -> 2x4, 32 -> 4x8, 256 -> 16x16); 3-D grows 2x2x1 last axis first (8 ->
+    2x2x2, 32 -> 2x4x4, 64 -> 4x4x4, 256 -> 4x8x8), as Cloud TPU names its slices."""
+    if chips < 1 or chips & (chips - 1):
+        raise PlanError(
+            f"{chips} chips: not a power of two; name the topology exactly, e.g. v4:4x4x12"
+        )
+    if dims == 2:
+        grid = [1, 1]
+        while math.prod(grid) < chips:
+            grid[0 if grid[0] < grid[1] else 1] *= 2
+        return tuple(grid)
+    if chips < 4:
+        return (chips, 1, 1)
+    grid = [2, 2, 1]
+    while math.prod(grid) < chips:
+        i = max(i for i in range(3) if grid[i] == min(grid))
+        grid[i] *= 2
+    return tuple(grid)
+
+
+def parse_target(name: str, hbm_gib: float = 0.0) -> Target:
+    """'v3-64' / 'v5e-256' (Cloud TPU slice names), 'v4:2x2x2' (libtpu topology), 'cpu:8'."""
+    hbm_override = int(hbm_gib * GiB) if hbm_gib else None
+    m = re.fullmatch(r"cpu:(\d+)", name)
+    if m:
+        return Target(name, "cpu", int(m.group(1)), hbm_override)
+    m = re.fullmatch(r"(v\d+[a-z]?)-(\d+)", name)
+    if m and m.group(1) in FAMILIES:
+        fam = FAMILIES[m.group(1)]
+        n = int(m.group(2))
+        chips = n // 2 if fam.cores_in_name else n
+        if fam.cores_in_name and n % 2:
+            raise PlanError(f"{name}: {m.group(1)} slices count TensorCores, 2 a chip")
+        grid = _chip_grid(chips, fam.dims)
+        topology = f"{fam.prefix}:{'x'.join(map(str, grid))}"
+        family = m.group(1)
+    else:
+        m = re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)+)", name)
+        if not m or m.group(1) not in PREFIX_FAMILY:
+            raise PlanError(
+                f"unknown --topology {name!r}: use a slice name ({', '.join(FAMILIES)} "
+                "followed by -N, e.g. v3-64, v4-64, v5e-256, v5p-128), a libtpu topology "
+                "(e.g. v4:2x2x2) or cpu:N"
+            )
+        family = PREFIX_FAMILY[m.group(1)]
+        fam = FAMILIES[family]
+        grid = tuple(int(x) for x in m.group(2).split("x"))
+        topology, chips = name, math.prod(grid)
+    return Target(
+        name,
+        "tpu",
+        chips * fam.devices_per_chip,
+        hbm_override or int(fam.hbm_gib * GiB),
+        topology,
+        fam.chip_config,
+        family,
+    )
+
+
+def libtpu_version() -> str | None:
+    """libtpu's version if it is installed (the TPU compiler), else None."""
+    if importlib.util.find_spec("libtpu") is None:
+        return None
+    from importlib import metadata
+
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def target_devices(target: Target):
+    """(devices, compiler description). TPU topologies need libtpu; without it the same
+    number of fake CPU devices stands in (jax_num_cpu_devices must not be fixed yet)."""
+    import jax
+
+    if target.platform == "tpu" and libtpu_version() is not None:
+        from jax.experimental import topologies
+
+        bounds = (2, 2, 1) if target.num_devices > 4 else (1, 1, 1)
+        topo = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=target.topology,
+            chip_config_name=target.chip_config,
+            chips_per_host_bounds=bounds,
+            num_slices=1,
+        )
+        devices = list(topo.devices)
+        if len(devices) != target.num_devices:
+            raise PlanError(
+                f"{target.name}: libtpu describes {len(devices)} devices, expected "
+                f"{target.num_devices}"
+            )
+        return devices, f"libtpu {libtpu_version()} (the TPU compiler, no TPU needed)"
+    jax.config.update("jax_num_cpu_devices", target.num_devices)
+    devices = jax.devices("cpu")
+    if len(devices) != target.num_devices:
+        raise PlanError(
+            f"could not fake {target.num_devices} CPU devices (got {len(devices)}): run plan "
+            "in a fresh process"
+        )
+    if target.platform == "tpu":
+        why = (
+            "libtpu is not installed, so XLA:CPU compiled for "
+            f"{target.num_devices} fake CPU devices: memory figures are XLA:CPU's, not "
+            "TPU's (`make plan` installs libtpu in .venv-plan)"
+        )
+    else:
+        why = f"XLA:CPU, {target.num_devices} fake CPU devices"
+    return devices, why
+
+
+# ------------------------------------------------------------------------------ programs
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
+    shard: uneven shardings pad)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract(shape, dtype, sharding):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    jitted: object  # a jax.jit function
+    args: tuple  # ShapeDtypeStructs with shardings
+    groups: dict  # label -> tree of the args it holds (per-device accounting)
+
+
+def _index_args(config, mesh, num_blocks: int, with_embeddings: bool = True):
+    import jax.numpy as jnp
+
+    from realm_jax import sharding
+
+    rows = sharding.rows_sharding(mesh)
+    n = sharding.padded_rows(num_blocks, mesh)
+    tokens = _abstract((n, config.data.block_len), jnp.int32, rows)
+    emb = _abstract((n, config.model.proj_size), jnp.float32, rows) if with_embeddings else None
+    return emb, tokens
+
+
+def _batch(mesh, fields: dict):
+    import jax.numpy as jnp
+
+    from realm_jax import sharding
+
+    dtypes = {"mlm_weights": jnp.float32}
+    b = sharding.batch_sharding(mesh)
+    return {k: _abstract(shape, dtypes.get(k, jnp.int32), b) for k, shape in fields.items()}
+
+
+def _state_groups(state) -> dict:
+    return {"parameters": state.params, "optimizer state": state.opt_state}
+
+
+def realm_programs(config, mesh, num_blocks: int) -> list[Program]:
+    import jax.numpy as jnp
+
+    from realm_jax import sharding
+    from realm_jax.pretrain import step
+    from realm_jax.train.state import abstract_sharded
+
+    model, optimizer, init = step.state_parts(config)
+    state, shardings = abstract_sharded(mesh, init, optimizer, config.mesh.get("fsdp", False))
+    d, B = config.data, config.train.batch_size
+    P = d.max_predictions
+    batch = _batch(
+        mesh,
+        {
+            "query_ids": (B, d.query_len),
+            "mlm_positions": (B, P),
+            "mlm_targets": (B, P),
+            "mlm_weights": (B, P),
+            "block_id": (B,),
+        },
+    )
+    emb, tokens = _index_args(config, mesh, num_blocks)
+    index_step = _abstract((), jnp.int32, sharding.replicated(mesh))
+    fn = step.compile_train_step(config, mesh, model, optimizer, shardings, num_blocks)
+    groups = _state_groups(state) | {
+        "block embeddings shard": emb,
+        "token table shard": tokens,
+        "batch shard": batch,
+    }
+    train = Program("REALM train step", fn, (state, batch, emb, tokens, index_step), groups)
+    return [train, refresh_program(config, mesh, num_blocks)]
+
+
+def refresh_program(config, mesh, num_blocks: int) -> Program:
+    """The refresh job's corpus embedding (the document embedder over the token table)."""
+    from realm_jax.index.corpus import abstract_params, embed_blocks_fn
+    from realm_jax.model.bert import ModelConfig
+    from realm_jax.model.realm import doc_embedder_name
+
+    name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
+    model, params = abstract_params(config, mesh, name)
+    _, tokens = _index_args(config, mesh, num_blocks, with_embeddings=False)
+    fn = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
+    groups = {"parameters": params, "token table shard": tokens}
+    return Program("refresh: embed the corpus", fn, ({name: params}, tokens), groups)
+
+
+def ict_programs(config, mesh, num_blocks: int) -> list[Program]:
+    from realm_jax.ict import step
+    from realm_jax.train.state import abstract_sharded
+
+    model, optimizer, init = step.state_parts(config)
+    state, shardings = abstract_sharded(mesh, init, optimizer, config.mesh.get("fsdp", False))
+    d, B = config.data, config.train.batch_size
+    batch = _batch(mesh, {"query_ids": (B, d.query_len), "block_ids": (B, d.block_len)})
+    fn = step.compile_train_step(config, mesh, model, optimizer, shardings)
+    groups = _state_groups(state) | {"batch shard": batch}
+    return [Program("ICT train step", fn, (state, batch), groups)]
+
+
+def qa_programs(config, mesh, num_blocks: int) -> list[Program]:
+    from realm_jax.qa import step
+    from realm_jax.train.state import abstract_sharded
+
+    model, optimizer, init = step.state_parts(config)
+    step.check_config(config, model, num_blocks, mesh)
+    state, shardings = abstract_sharded(mesh, init, optimizer, config.mesh.get("fsdp", False))
+    d, q, B = config.data, config.qa, config.train.batch_size
+    batch = _batch(
+        mesh,
+        {"question_ids": (B, d.query_len), "answer_ids": (B, q.max_answers, q.answer_len)},
+    )
+    emb, tokens = _index_args(config, mesh, num_blocks)
+    fn = step.compile_train_step(config, mesh, model, optimizer, shardings, num_blocks)
+    groups = _state_groups(state) | {
+        "block embeddings shard": emb,
+        "token table shard": tokens,
+        "batch shard": batch,
+    }
+    train = Program("QA fine-tuning step", fn, (state, batch, emb, tokens), groups)
+    return [train, refresh_program(config, mesh, num_blocks)]
+
+
+PROGRAMS = {"realm": realm_programs, "ict": ict_programs, "qa": qa_programs}
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_mesh(config, mesh, num_blocks: int) -> None:
+    """PlanError for a mesh that cannot run this config."""
+    from realm_jax import sharding
+
+    for axis, size in mesh.shape.items():
+        if axis not in ("data", "model") and size > 1:
+            raise PlanError(
+                f"mesh axis {axis!r} (size {size}) is used by no sharding rule: parameters "
+                "and batch would be replicated over it; use axes ('data', 'model')"
+            )
+    hosts = len({d.process_index for d in mesh.devices.flat})
+    for field in ("train.batch_size",) + (
+        ("train.eval_batch_size",) if config.task == "realm" and config.train.eval_every else ()
+    ):
+        b = config[field.split(".")[0]][field.split(".")[1]]
+        data = sharding.data_size(mesh)
+        if b % data:
+            raise PlanError(
+                f"{field} {b} is not divisible by the mesh's data axis ({data} of "
+                f"{mesh.devices.size} devices, mesh {dict(mesh.shape)}); change {field} or "
+                "--config.mesh.shape"
+            )
+        if b % hosts:
+            raise PlanError(f"{field} {b} is not divisible by the slice's {hosts} hosts")
+    if num_blocks < mesh.devices.size:
+        raise PlanError(
+            f"{num_blocks} blocks for {mesh.devices.size} devices: every device needs at "
+            "least one block of the index"
+        )
+    k = int(config.train.num_candidates) if config.task == "realm" else 0
+    if k > num_blocks:
+        raise PlanError(f"train.num_candidates {k} exceeds the corpus ({num_blocks} blocks)")
+
+
+# ------------------------------------------------------------------------------ compile
+
+
+def _compile(program: Program):
+    """(compiled, None) or (None, the compiler's out-of-memory message)."""
+    lowered = program.jitted.lower(*program.args)  # in the mesh, as training traces it
+    try:
+        return lowered.compile(), None
+    except Exception as e:  # XLA:TPU refuses a program that cannot fit at compile time
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+            return None, " ".join(text.split())[:600]
+        raise
+
+
+def analyse(program: Program, hbm_bytes: int | None) -> dict:
+    """Per-device bytes: each group of arguments, and XLA's memory analysis of the program."""
+    import time
+
+    t0 = time.perf_counter()
+    compiled, oom = _compile(program)
+    seconds = time.perf_counter() - t0
+    out = {
+        "program": program.name,
+        "compile_seconds": round(seconds, 1),
+        "groups": {k: _bytes_per_device(v) for k, v in program.groups.items()},
+    }
+    if compiled is None:
+        out.update(fits=False, total=None, compiler_error=oom)
+        return out
+    ma = compiled.memory_analysis()
+    xla = {
+        "arguments": int(ma.argument_size_in_bytes),
+        "outputs": int(ma.output_size_in_bytes),
+        "aliased": int(ma.alias_size_in_bytes),
+        "temporaries": int(ma.temp_size_in_bytes),
+        "generated_code": int(ma.generated_code_size_in_bytes),
+    }
+    total = (
+        xla["arguments"]
+        + xla["outputs"]
+        - xla["aliased"]
+        + xla["temporaries"]
+        + xla["generated_code"]
+    )
+    out.update(xla=xla, total=total, fits=hbm_bytes is None or total <= hbm_bytes)
+    return out
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:8.3f}"
+
+
+def format_report(head: dict, results: list[dict]) -> str:
+    hbm = head["hbm_bytes"]
+    lines = [
+        f"plan: {head['config']} on {head['target']} ({head['devices']} devices, "
+        f"{head['hosts']} host(s), "
+        + (f"{hbm / GiB:.1f} GiB HBM per device)" if hbm else "HBM not given: --hbm_gib)"),
+        f"  compiler: {head['compiler']}",
+        f"  mesh {head['mesh']}; fsdp {'on' if head['fsdp'] else 'off'}; remat "
+        f"{'on' if head['remat'] else 'off'}; compute dtype {head['dtype']}; global batch "
+        f"{head['batch_size']} ({head['per_data_shard']} per data shard); "
+        f"{head['num_blocks']:,} blocks ({head['blocks_per_device']:,} per device, "
+        f"{head['num_blocks_source']})",
+    ]
+    for r in results:
+        lines += ["", f"{r['program']} (per device, GiB; compiled in {r['compile_seconds']} s)"]
+        for k, v in r["groups"].items():
+            lines.append(f"  {k:<34}{_gib(v)}")
+        if r["total"] is None:
+            lines.append(f"  does NOT fit: the compiler refused it: {r['compiler_error']}")
+            continue
+        x = r["xla"]
+        lines += [
+            f"  {'step temporaries (XLA)':<34}{_gib(x['temporaries'])}",
+            f"  {'outputs not aliased to inputs':<34}{_gib(x['outputs'] - x['aliased'])}",
+            f"  {'generated code':<34}{_gib(x['generated_code'])}",
+            f"  {'total (XLA arguments + above)':<34}{_gib(r['total'])}",
+        ]
+        if hbm:
+            share = r["total"] / hbm
+            verdict = (
+                f"fits: {(hbm - r['total']) / GiB:.2f} GiB headroom"
+                if r["fits"]
+                else f"does NOT fit: {(r['total'] - hbm) / GiB:.2f} GiB over"
+            )
+            lines.append(f"  {'of HBM':<34}{share:8.0%}   {verdict}")
+    return "\n".join(lines)
+
+
+def num_blocks_for(config, workdir: str, given: int) -> tuple[int, str]:
+    """--num_blocks, else the prepared corpus in the workdir, else Wikipedia's 13.35M."""
+    if given:
+        return given, "--num_blocks"
+    if workdir:
+        from realm_jax import workdir as paths
+        from realm_jax.data import prepared
+
+        summary = prepared.read_summary(paths.data_dir(config, workdir))
+        if summary:
+            return int(summary["counts"]["blocks"]), "the prepared corpus"
+    return WIKIPEDIA_BLOCKS, "REALM's Wikipedia; --num_blocks to change"
+
+
+def plan(config, target: Target, num_blocks: int, source: str = "") -> tuple[dict, list]:
+    """(header, one result per program) for config on target."""
+    from realm_jax import sharding
+
+    if config.task not in PROGRAMS:
+        raise PlanError(f"task {config.task!r}: plan knows {', '.join(PROGRAMS)}")
+    devices, compiler = target_devices(target)
+    mesh = sharding.make_mesh(config.mesh, devices)
+    check_mesh(config, mesh, num_blocks)
+    m = config.model
+    head = {
+        "config": config.get("variant", ""),
+        "target": target.name,
+        "devices": len(devices),
+        "hosts": len({d.process_index for d in devices}),
+        "hbm_bytes": target.hbm_bytes,
+        "compiler": compiler,
+        "mesh": dict(mesh.shape),
+        "fsdp": bool(config.mesh.get("fsdp", False)),
+        "remat": bool(m.remat),
+        "dtype": m.dtype,
+        "batch_size": int(config.train.batch_size),
+        "per_data_shard": int(config.train.batch_size) // sharding.data_size(mesh),
+        "num_blocks": num_blocks,
+        "blocks_per_device": sharding.padded_rows(num_blocks, mesh) // mesh.devices.size,
+        "num_blocks_source": source,
+    }
+    results = []
+    for program in PROGRAMS[config.task](config, mesh, num_blocks):
+        log.info("compiling %s for %s", program.name, target.name)
+        results.append(analyse(program, target.hbm_bytes))
+    return head, results
+
+
+def command(config, args) -> int:
+    target = parse_target(args.topology, args.hbm_gib)
+    n, source = num_blocks_for(config, args.workdir, args.num_blocks)
+    head, results = plan(config, target, n, source)
+    head["config"] = args.config
+    print(format_report(head, results), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head, "programs": results}, f, indent=1)
+    over = [r["program"] for r in results if not r["fits"]]
+    if over:
+        raise PlanError(f"{', '.join(over)} does not fit {target.name}'s HBM (see above)")
+    return 0

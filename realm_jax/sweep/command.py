@@ -1,0 +1,37 @@
+"""`realm-jax sweep`: run a config file's sweep() locally or on a TPU VM, or table it."""
+
+from __future__ import annotations
+
+import os
+
+from realm_jax.config import ConfigError
+from realm_jax.sweep import runner, table
+from realm_jax.sweep.points import resolve_spec, sweep_points
+
+
+def command(args, overrides: list[str]) -> int:
+    """From cli.py's parsed arguments; `overrides` ("k=v") apply to every point."""
+    if args.table:
+        if args.table_only or args.dry_run or args.tpu:
+            raise ConfigError("--table PREFIX only rewrites the table: no other sweep flag")
+        prefix = args.table
+        runner.rewrite_table(prefix)
+        print(f"wrote {os.path.join(prefix, 'sweep.md')} and sweep.csv")
+        return 0
+    if not args.workdir:
+        raise ConfigError("sweep needs --workdir PREFIX (or --table PREFIX)")
+    if args.table_only:
+        spec = resolve_spec(args.config)
+        os.makedirs(args.workdir, exist_ok=True)
+        table.save_plan(args.workdir, spec, overrides, sweep_points(spec, overrides))
+        runner.rewrite_table(args.workdir)
+        print(f"wrote {os.path.join(args.workdir, 'sweep.md')} and sweep.csv")
+        return 0
+    if args.tpu:
+        return runner.run_tpu(
+            args.config, args.workdir, overrides, args.tpu, prepare=args.prepare,
+            dry_run=args.dry_run,
+        )  # fmt: skip
+    return runner.run_local(
+        args.config, args.workdir, overrides, cpu_devices=args.cpu_devices, dry_run=args.dry_run
+    )
