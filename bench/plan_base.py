@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -33,14 +34,17 @@ SETTINGS = {
     "v3-64-f32": ("v3-64", ["--config.model.dtype=float32"]),
     "v3-64-fsdp": ("v3-64", ["--config.mesh.fsdp=true"]),
     "v4-64": ("v4-64", []),
+    # the other tasks' base variants on the same slice (ORQA's batches: ICT 4096, QA 64)
+    "v3-64 ict": ("v3-64", [], "configs/ict.py:base"),
+    "v3-64 qa": ("v3-64", [], "configs/orqa.py:base"),
 }
 
 
 def run(name: str, out_dir: str) -> dict:
-    path = os.path.join(out_dir, f"{name}.json")
+    path = os.path.join(out_dir, f"{name.replace(' ', '-')}.json")
     if not os.path.exists(path):
-        topology, overrides = SETTINGS[name]
-        cmd = [sys.executable, "-m", "realm_jax", "plan", "--config", BASE]
+        topology, overrides, *config = SETTINGS[name]
+        cmd = [sys.executable, "-m", "realm_jax", "plan", "--config", *(config or [BASE])]
         cmd += ["--topology", topology, "--json", path, *overrides]
         print("$", " ".join(cmd), flush=True)
         env = dict(os.environ, JAX_PLATFORMS="cpu")  # compile-only: no TPU is looked for
@@ -55,24 +59,27 @@ def _gib(n) -> str:
 
 def table(results: dict) -> str:
     rows = [
-        "| setting | devices (hosts) | per device: params | optimizer | index shards | "
+        "| setting | step | devices (hosts) | per device: params | optimizer | index shards | "
         "step temporaries | step total | of HBM | refresh total | compile |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         h, progs = r["header"], r["programs"]
         train, refresh = progs[0], progs[1] if len(progs) > 1 else None
         g = train["groups"]
-        index = g["block embeddings shard"] + g["token table shard"]
-        temps = train["xla"]["temporaries"] if train["total"] is not None else None
-        share = (
-            f"{train['total'] / h['hbm_bytes']:.0%} {'fits' if train['fits'] else 'DOES NOT FIT'}"
-            if train["total"] is not None
-            else "refused by the compiler"
-        )
+        index = g.get("block embeddings shard", 0) + g.get("token table shard", 0)
+        if train["total"] is not None:
+            temps = _gib(train["xla"]["temporaries"])
+            verdict = "fits" if train["fits"] else "DOES NOT FIT"
+            share = f"{train['total'] / h['hbm_bytes']:.0%} {verdict}"
+        else:  # XLA:TPU refuses at compile time, naming what the temporaries would need
+            need = re.search(r"temporaries \(([\d.]+)G\)", train["compiler_error"])
+            temps = f"{need.group(1)} (compiler)" if need else "-"
+            share = "DOES NOT FIT: refused by the compiler"
         rows.append(
-            f"| {name} | {h['devices']} ({h['hosts']}) | {_gib(g['parameters'])} | "
-            f"{_gib(g['optimizer state'])} | {_gib(index)} | {_gib(temps)} | "
+            f"| {name} | {train['program']} | {h['devices']} ({h['hosts']}) | "
+            f"{_gib(g['parameters'])} | "
+            f"{_gib(g['optimizer state'])} | {_gib(index)} | {temps} | "
             f"{_gib(train['total'])} | {share} | "
             f"{_gib(refresh['total']) if refresh else '-'} | {train['compile_seconds']:.0f} s |"
         )
@@ -102,7 +109,10 @@ def main() -> int:
             "",
             table(results),
             "",
-            "Settings: `v3-64` is base as configured; `-no-remat-f32` turns both off, `-f32` "
+            "Settings: `v3-64` is `configs/realm.py:base` as configured (`ict` and `qa`: "
+            "`configs/ict.py:base`, batch 4096 query/block pairs, and "
+            "`configs/orqa.py:base`, 64 questions, retriever beam 5000, reader beam 5, reader "
+            "length 320, with the same model settings); `-no-remat-f32` turns both off, `-f32` "
             "keeps remat with float32 activations, `-fsdp` also shards parameters and Adam "
             "state over the data axis (`--config.mesh.fsdp=true`); HBM is 16 GiB per v3 "
             "TensorCore, 32 GiB per v4 chip (megacore). Compile times are wall-clock on a "
