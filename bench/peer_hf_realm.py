@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ REPO = os.path.dirname(BENCH)
 sys.path[:0] = [REPO, BENCH]
 
 from _report import write_section  # noqa: E402
+from peer_hf_side import peak_rss_gb, pin_threads, timed  # noqa: E402  (no torch at import)
 
 SECTION = "Peer benchmark: HuggingFace REALM"
 # The architecture both sides build: every network (query embedder, document embedder,
@@ -47,16 +47,6 @@ NUM_BLOCKS = 4096  # realm-jax's device index (random embeddings); HF draws its 
 EMBED_LEN, EMBED_BATCH, EMBED_BLOCKS = 288, 64, 256
 CLS, SEP, MASK = 101, 102, 103
 HF_SIDE = os.path.join(BENCH, "peer_hf_side.py")
-
-
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
-
-
-def pin_threads(n: int) -> None:
-    """Pin this process to its first n cores: XLA's CPU client sizes its pool from them."""
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:n])
 
 
 # ----------------------------------------------------------------------- inputs
@@ -155,17 +145,14 @@ def jax_train(data: dict, reps: int, remat: bool = False) -> dict:
     )
     gb = sharding.global_batch(batch, mesh)
     fn = train_step.compile_train_step(config, mesh, model, opt, shard, NUM_BLOCKS)
-    t0 = time.perf_counter()
-    state, m = fn(state, gb, emb, tokens, jnp.int32(0))
-    first_loss = float(jax.block_until_ready(m)["loss"])
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        state, m = fn(state, gb, emb, tokens, jnp.int32(0))
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    return {"warmup_s": warmup_s, "times": times, "first_loss": first_loss}
+    carry = {"state": state}
+
+    def step() -> float:
+        carry["state"], m = fn(carry["state"], gb, emb, tokens, jnp.int32(0))
+        return float(jax.block_until_ready(m)["loss"])
+
+    t = timed(step, reps)
+    return {"warmup_s": t["warmup_s"], "times": t["times"], "first_loss": t["first"]}
 
 
 def jax_embed(data: dict, reps: int) -> dict:
@@ -191,15 +178,8 @@ def jax_embed(data: dict, reps: int) -> dict:
     _, tokens = corpus.pad_index(None, data["embed_blocks"], mesh)
     tokens = sharding.put_rows(tokens, mesh)
     fn = corpus.embed_blocks_fn(model, mesh, EMBED_BATCH)
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(params, tokens))
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(params, tokens))
-        times.append(time.perf_counter() - t0)
-    return {"warmup_s": warmup_s, "times": times}
+    t = timed(lambda: jax.block_until_ready(fn(params, tokens)), reps)
+    return {"warmup_s": t["warmup_s"], "times": t["times"]}
 
 
 def jax_side(task: str, inputs: str, threads: int, reps: int, remat: bool = False) -> None:

@@ -36,6 +36,20 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
 
 
+def timed(call, reps: int) -> dict:
+    """call() once as warm-up (compile / first call), then reps timed calls: {"warmup_s",
+    "times", "first": the warm-up call's result}. Both sides of the benchmark time this way."""
+    t0 = time.perf_counter()
+    first = call()
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return {"warmup_s": warmup_s, "times": times, "first": first}
+
+
 def segments(tokens):
     """[..., L] block ids -> segment ids: 0 up to and including the title's [SEP], 1 after
     it, 0 on padding (the rule realm-jax's document embedder uses)."""
@@ -159,15 +173,8 @@ def run_train(data, a: dict, reps: int) -> dict:
         opt.step()
         return float(loss.detach())
 
-    t0 = time.perf_counter()
-    first_loss = step()
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"warmup_s": warmup_s, "times": times, "first_loss": first_loss}
+    t = timed(step, reps)
+    return {"warmup_s": t["warmup_s"], "times": t["times"], "first_loss": t["first"]}
 
 
 def run_embed(data, a: dict, reps: int) -> dict:
@@ -192,15 +199,8 @@ def run_embed(data, a: dict, reps: int) -> dict:
             for ids, mask, types in batches:
                 embedder(input_ids=ids, attention_mask=mask, token_type_ids=types)
 
-    t0 = time.perf_counter()
-    embed_all()
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        embed_all()
-        times.append(time.perf_counter() - t0)
-    return {"warmup_s": warmup_s, "times": times}
+    t = timed(embed_all, reps)
+    return {"warmup_s": t["warmup_s"], "times": t["times"]}
 
 
 def main() -> None:
