@@ -1,17 +1,19 @@
 """`prepare` on Apache Beam (DirectRunner, a worker process per core) against the in-process
-path: throughput and peak memory at 10k and 100k passages.
+path: throughput and peak memory at 10k, 100k and 200k passages (in process up to 100k).
 
     python bench/prepare_beam.py [--corpus ../shared/data/squad/corpus_train.jsonl]
-        [--sizes 10000,100000] [--ner-up-to 10000] [--local-up-to 100000]
+        [--sizes 10000,100000,200000] [--ner-up-to 10000] [--local-up-to 100000] [--window-kb N]
 
 The corpora are the SQuAD paragraphs (18,896 real passages) repeated to size: copy r > 0 of a
 passage gets the id "<id>#r" and the title "<title> (r)", so ids stay unique and the held-out
 split (by title hash) spreads over the copies. Each run is a fresh `python -m realm_jax
 prepare` process; its peak memory is the largest sum of RSS over it and all its children
 (Beam's worker processes included), sampled every 0.2 s. Masking: salient (spaCy NER) up to
---ner-up-to passages, random above (NER runs at ~35 passages/s per core here: 100k passages
-would take most of an hour), so the 100k point measures the memory bound and the streaming
-stages, the 10k points NER throughput. Writes "Prepare on Apache Beam" in docs/benchmarks.md.
+--ner-up-to passages, random above (NER dominates the time: 100k passages would take about ten
+times the 10k salient run), so the 100k point measures the memory bound and the streaming
+stages, the 10k points NER throughput. --window-kb sets data.beam_window_kb (the corpus one
+round of pipelines covers on the local runner). Writes "Prepare on Apache Beam" in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _rss(proc: psutil.Process) -> tuple[int, int, int]:
     return main + sum(children), main, max(children, default=0)
 
 
-def run(corpus: str, engine: str, masking: str, workdir: str, workers: int) -> dict:
+def run(corpus: str, engine: str, masking: str, workdir: str, workers: int, window_kb) -> dict:
     """One prepare in a fresh process: wall time, peak RSS of the process tree, counts."""
     cmd = [
         sys.executable,
@@ -80,6 +82,8 @@ def run(corpus: str, engine: str, masking: str, workdir: str, workers: int) -> d
         f"--config.data.engine={engine}",
         f"--config.data.ner_processes={workers}",
     ]
+    if engine == "beam" and window_kb is not None:
+        cmd.append(f"--config.data.beam_window_kb={window_kb}")
     if engine == "beam":
         cmd.append(
             f"--beam_options=--direct_num_workers={workers} "
@@ -116,11 +120,16 @@ def run(corpus: str, engine: str, masking: str, workdir: str, workers: int) -> d
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--corpus", default=SQUAD)
-    p.add_argument("--sizes", default="10000,100000")
+    p.add_argument("--sizes", default="10000,100000,200000")
     p.add_argument("--ner-up-to", type=int, default=10_000, help="salient masking up to here")
     p.add_argument("--local-up-to", type=int, default=100_000, help="in-process runs up to here")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--window-kb", type=int, help="data.beam_window_kb (default: the config's)")
     a = p.parse_args()
+    if a.window_kb is None:
+        from configs.realm import get_config
+
+        a.window_kb = get_config("squad").data.beam_window_kb
     if not os.path.exists(a.corpus):
         raise SystemExit(f"needs {a.corpus} (the project's ../shared folder)")
     rows = []
@@ -133,19 +142,25 @@ def main() -> None:
                     if engine == "local" and n > a.local_up_to:
                         continue
                     wd = os.path.join(tmp, f"{engine}_{masking}_{n}")
-                    rows.append(run(corpus, engine, masking, wd, a.workers))
+                    rows.append(run(corpus, engine, masking, wd, a.workers, a.window_kb))
     lines = [
         f"`prepare` (config `squad`: block_len 192, query_len 64) of the SQuAD paragraphs "
         f"(18,896 real passages; the 100k corpus repeats them with altered ids and titles), "
         f"in process (spaCy with {a.workers} processes) and on Apache Beam's DirectRunner "
-        f"(FnApiRunner, {a.workers} worker processes, multi_processing). Each row is a fresh "
-        "`python -m realm_jax prepare` process; wall time includes start-up (Beam: four "
-        "pipelines: scan, blocks, held-out and training examples); peak memory is the largest "
-        "sum of RSS over the process and its children (sampled every 0.2 s; shared pages "
-        "count once per process), split into the main process (Beam: the runner, which holds "
-        "the shuffled data in memory) and the largest child (Beam: a worker; in process: a "
-        "spaCy process). Salient masking (spaCy NER) at 10k; random masking at "
-        "100k, where NER would take most of an hour on this machine.",
+        f"(FnApiRunner, {a.workers} worker processes, multi_processing) in windows of "
+        f"`data.beam_window_kb` = {a.window_kb:,} KiB of corpus (the SQuAD corpus is ~810 "
+        "bytes a passage: the 10k corpus is ~1 window, the 100k one ~10, the 200k one ~20). "
+        "Each row is a fresh `python -m realm_jax prepare` process; wall time includes "
+        "start-up (Beam: the scan pipeline, then per window the blocks, held-out and "
+        "training examples pipelines); "
+        "peak memory is the largest sum of RSS over the process and its children (sampled "
+        "every 0.2 s; shared pages count once per process), split into the main process "
+        "(Beam: the runner, which holds a window's shuffled data in memory) and the largest "
+        "child (Beam: a worker; in process: a spaCy process). Salient masking (spaCy NER) at "
+        "10k; random masking at 100k and 200k (salient masking there would take about ten "
+        "times the "
+        "10k salient row). "
+        f"Command: `python bench/prepare_beam.py --window-kb {a.window_kb}`.",
         "",
         "| engine | masking | passages | blocks | examples | wall (s) | passages/s "
         "| peak RSS, all (GiB) | main process | largest worker |",

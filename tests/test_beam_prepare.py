@@ -53,10 +53,12 @@ def _assert_same(local_dir, beam_dir):
 
 
 def test_beam_matches_in_process_on_the_sample(tmp_path):
-    """Salient (spaCy NER) masking over the bundled sample, read in 5 chunks."""
+    """Salient (spaCy NER) masking over the bundled sample, read in 5 chunks, prepared in 3
+    windows of 2 chunks (ids continue across windows; the shards are joined into one dataset)."""
     cfg = _config(SAMPLE, "data.beam_chunk_kb=64")
     local = _prepare(cfg, str(tmp_path / "local"), "local")
-    beam = _prepare(_config(SAMPLE, "data.beam_chunk_kb=64"), str(tmp_path / "beam"), "beam")
+    over = ("data.beam_chunk_kb=64", "data.beam_window_kb=128")
+    beam = _prepare(_config(SAMPLE, *over), str(tmp_path / "beam"), "beam")
     assert local["counts"]["examples"] > 500 and local["counts"]["eval_examples"] > 50
     assert beam["counts"]["blocks"] == local["counts"]["blocks"] > 400
     _assert_same(str(tmp_path / "local"), str(tmp_path / "beam"))
@@ -91,6 +93,8 @@ def test_beam_bad_input_errors_and_skips_like_in_process(tmp_path):
     assert errors[0] == errors[1] and ":8: malformed JSON" in errors[0]
     assert not os.path.exists(tmp_path / "e-beam" / "blocks")  # stopped before any output
     over = ("data.beam_chunk_kb=4", "data.skip_bad_input=true", "data.masking=random")
+    # Windows of 3 chunks: the duplicate id is in a later window than its first use.
+    over += ("data.beam_window_kb=12",)
     for engine in ("local", "beam"):
         s = _prepare(_config(src, *over), str(tmp_path / engine), engine)
         c = s["counts"]
@@ -101,6 +105,16 @@ def test_beam_bad_input_errors_and_skips_like_in_process(tmp_path):
         )
         assert c["documents"] == 60 and s["masking"] == "random"
     _assert_same(str(tmp_path / "local"), str(tmp_path / "beam"))
+
+
+def test_windows():
+    """Whole chunks per window on a local runner; one window elsewhere or with window_kb 0."""
+    from realm_jax.data import beam_prepare as B
+
+    assert B.windows(5, 64, 128, "FnApiRunner") == [[0, 1], [2, 3], [4]]
+    assert B.windows(5, 64, 100, "FnApiRunner") == [[0], [1], [2], [3], [4]]
+    assert B.windows(5, 64, 0, "FnApiRunner") == [[0, 1, 2, 3, 4]]
+    assert B.windows(5, 64, 128, "DataflowRunner") == [[0, 1, 2, 3, 4]]
 
 
 def test_engine_choice(tmp_path):
@@ -121,3 +135,24 @@ def test_engine_choice(tmp_path):
     cfg.data.engine = "beam"
     with pytest.raises(prepared.PrepareError, match="a .txt folder is in-process"):
         _prepare(cfg, str(tmp_path / "d"), "beam")
+    cfg.data.corpus = SAMPLE
+    with pytest.raises(prepared.PrepareError, match="DataflowRunner is not supported yet"):
+        P.prepare(cfg, str(tmp_path / "d"), beam_runner="DataflowRunner")
+    assert not os.path.exists(tmp_path / "d" / "summary.json")
+
+
+def test_duplicate_check_compares_ids_where_hashes_collide(tmp_path, monkeypatch):
+    """The scan finds duplicate ids by an 8-byte hash; with every hash made equal (all
+    documents collide) the ids read back decide, and the duplicates found are the same."""
+    from realm_jax.data import beam_prepare as B
+
+    opts = B._Opts(corpus=_dirty_corpus(tmp_path), beam_chunk_kb=4)
+    pipe = B.beam.options.pipeline_options.PipelineOptions(BEAM.split())
+    found = B.scan(opts, "FnApiRunner", pipe, str(tmp_path / "a.json"))
+    monkeypatch.setattr(B, "_id_hash", lambda doc_id: 7)
+    collided = B.scan(opts, "FnApiRunner", pipe, str(tmp_path / "b.json"))
+    assert found["dups"] == collided["dups"] and len(found["dups"]) == 1
+    ((chunk, _), doc_id) = found["dups"][0]
+    with open(SAMPLE) as f:
+        docs = [json.loads(line) for _, line in zip(range(4), f, strict=False)]
+    assert chunk > 0 and doc_id == docs[3]["id"]  # _dirty_corpus repeats docs[3]'s id later

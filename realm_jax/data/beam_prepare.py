@@ -5,7 +5,8 @@ Nothing holds the corpus: the input file is cut into byte ranges ("chunks", data
 a worker reads the lines starting in its range, so every stage streams. Four pipelines run:
 
   scan           every line parsed and checked once: lines per chunk (for file:line numbers and
-                 "<stem>:<line>" ids), bad lines, duplicate ids (a GroupByKey on the id).
+                 "<stem>:<line>" ids), bad lines, duplicate ids (an 8-byte hash of each id;
+                 the ids themselves are compared only where hashes collide).
                  Bad input stops here with the in-process path's message, before any NER.
   blocks         chunk -> documents -> blocks (tokenise, split) -> dense ids -> TFDS writer;
                  and the sentence table: every block's sentences, numbered, as JSON lines
@@ -22,16 +23,26 @@ is block (or example) i, which the readers, the index and the trainer rely on.
 
 Memory: a worker holds one chunk of text and its blocks, or one batch of sentences, at a time,
 and the TFDS writer one output shard (ShardConfig's size limit); what crosses a shuffle or waits
-for a side input (the batches before their ids are known, the writer's shards) is held by the
-runner: disk-backed on Dataflow, in memory on Beam's DirectRunner (docs/benchmarks.md measures
-both sides).
+for a side input (the batches before their ids are known, the writer's GroupByKey of every
+serialized record) is held by the runner: disk-backed on Dataflow, but in memory on Beam's local
+runners, whose FnApiRunner also hands each worker a stage's whole input as one bundle. So on a
+local runner the blocks and examples pipelines run once per *window* of the corpus
+(data.beam_window_kb, whole chunks), one after another, each window's ids starting where the
+previous window's ended; the windows' TFDS shards are then renamed into one dataset and their
+dataset_info shard lengths joined (merge_parts). Peak memory is then bounded by the window, not
+the corpus (bench/prepare_beam.py measures 10k against 100k passages); on Dataflow the whole
+corpus is one window. Only the scan covers the corpus in one pipeline: for the duplicate check
+it keeps an 8-byte hash of each document's id and its line (a few tens of bytes per document
+at the peak of the check), not the text.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -50,9 +61,12 @@ from realm_jax.data import masking
 from realm_jax.data import prepare as local
 from realm_jax.data.prepared import PrepareError, is_eval
 
+SENTENCES = "_block_sentences"  # stats key: sentences of a window's blocks (not reported)
 BATCH = 256  # blocks per batch; a batch's sentences go through one NER nlp.pipe call
 # The fields the workers need (a plain dict travels to workers; a locked ConfigDict need not).
 OPT_FIELDS = (*local.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb")
+# Runners that keep a pipeline's data in this process's memory: they prepare window by window.
+LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "PrismRunner")
 
 
 class _Opts(dict):
@@ -132,10 +146,16 @@ def parse_line(path: str, n, raw: bytes, r: corpus_lib._Reader, first: bool):
     return r.check(where, doc_id or f"{stem}:{n}", title, text)
 
 
+def _id_hash(doc_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "little")
+
+
 def _scan_chunk(k: int, path: str, chunk_bytes: int):
-    """Per chunk: ("chunk", (k, lines, bad lines, counts)) and ("id", (doc_id, (k, line))).
-    Line numbers are chunk-local here (the chunks before are not counted yet)."""
-    lines, bad, stats = 0, [], collections.Counter()
+    """Per chunk: (k, lines, bad lines, counts, id hashes, their lines). Line numbers are
+    chunk-local here (the chunks before are not counted yet). The duplicate check keeps 8 bytes
+    of hash and 4 of line per document, not the ids: check_scan compares the ids themselves only
+    where hashes collide."""
+    lines, bad, stats, hashes, where = 0, [], collections.Counter(), [], []
     for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
         lines += 1
         r = corpus_lib._Reader(True, collections.Counter())
@@ -148,8 +168,51 @@ def _scan_chunk(k: int, path: str, chunk_bytes: int):
             bad.append((i, skipped[0].removeprefix("skipped_"), _message(path, n, raw, first)))
         elif doc is not None:
             stats["valid"] += 1
-            yield beam.pvalue.TaggedOutput("ids", (doc[0], (k, i)))
-    yield (k, lines, bad, dict(stats))
+            hashes.append(_id_hash(doc[0]))
+            where.append(i)
+    h, w = np.array(hashes, "<u8").tobytes(), np.array(where, "<i4").tobytes()
+    yield (k, lines, bad, dict(stats), base64.b64encode(h).decode(), base64.b64encode(w).decode())
+
+
+def _ids_at(path: str, chunk_bytes: int, k: int, wanted: set) -> dict:
+    """{line in chunk k: document id} for the wanted chunk-local lines (a second read of the
+    chunk, only where id hashes collide)."""
+    out = {}
+    for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
+        if i in wanted:
+            r = corpus_lib._Reader(True, collections.Counter())
+            r.seen = _NeverSeen()
+            out[i] = parse_line(path, f"@{k}:{i}", raw, r, k == 0 and i == 0)[0]
+    return out
+
+
+def duplicates(path: str, chunk_bytes: int, chunks: list) -> list:
+    """[((chunk, line), doc_id)] of every document whose id an earlier one has, from the
+    scan's per-chunk hashes: equal hashes are candidates, their ids are read back and
+    compared, so a hash collision is never taken for a duplicate."""
+    hs = [np.frombuffer(base64.b64decode(c[4]), "<u8") for c in chunks]
+    if not hs or not sum(map(len, hs)):
+        return []
+    h = np.concatenate(hs)
+    k = np.concatenate([np.full(len(x), c[0], np.int32) for x, c in zip(hs, chunks, strict=True)])
+    i = np.concatenate([np.frombuffer(base64.b64decode(c[5]), "<i4") for c in chunks])
+    _, inverse, counts = np.unique(h, return_inverse=True, return_counts=True)
+    cand = np.flatnonzero(counts[inverse] > 1)
+    if not len(cand):
+        return []
+    wanted = collections.defaultdict(set)
+    for j in cand:
+        wanted[int(k[j])].add(int(i[j]))
+    ids = {
+        (c, line): d for c in wanted for line, d in _ids_at(path, chunk_bytes, c, wanted[c]).items()
+    }
+    first_seen, dups = {}, []
+    for pos in sorted(ids):  # corpus order: the first of each id is kept
+        if ids[pos] in first_seen:
+            dups.append((pos, ids[pos]))
+        else:
+            first_seen[ids[pos]] = pos
+    return dups
 
 
 class _NeverSeen(set):
@@ -187,39 +250,22 @@ def scan(opts: _Opts, runner, options, out: str) -> dict:
     chunk_bytes = opts.beam_chunk_kb * 1024
     num_chunks = max(1, -(-_size(opts.corpus) // chunk_bytes))
     with beam.Pipeline(runner=runner, options=options) as p:
-        res = (
+        _ = (
             p
             | "Chunks" >> beam.Create(range(num_chunks))
             | "Reshuffle" >> beam.Reshuffle()
-            | "Scan"
-            >> beam.FlatMap(_scan_chunk, opts.corpus, chunk_bytes).with_outputs(
-                "ids", main="chunks"
-            )
-        )
-        dups = (
-            res.ids
-            | "ById" >> beam.GroupByKey()
-            | "Later" >> beam.FlatMap(lambda kv: [(pos, kv[0]) for pos in sorted(kv[1])[1:]])
-        )
-        _ = (
-            res.chunks
+            | "Scan" >> beam.FlatMap(_scan_chunk, opts.corpus, chunk_bytes)
             | "AllChunks" >> beam.combiners.ToList()
-            | "Write"
-            >> beam.Map(
-                lambda chunks, dups: _write_json(
-                    {"chunks": sorted(chunks), "dups": sorted(dups)}, out
-                ),
-                dups=beam.pvalue.AsList(dups),
-            )
+            | "Write" >> beam.Map(lambda chunks: _write_json(sorted(chunks), out))
         )
-    raw = _read_json(out)
+    chunks = _read_json(out)
     lines = [0] * num_chunks
     bad, valid = [], 0
-    for k, n, b, stats in raw["chunks"]:
+    for k, n, b, stats, _, _ in chunks:
         lines[k] = n
         bad += [((k, i), kind, msg) for i, kind, msg in b]
         valid += stats.get("valid", 0)
-    dups = [(tuple(pos), doc_id) for pos, doc_id in raw["dups"]]
+    dups = duplicates(opts.corpus, chunk_bytes, chunks)
     return {"lines": lines, "bad": sorted(bad), "dups": dups, "valid": valid}
 
 
@@ -264,6 +310,7 @@ def _chunk_blocks(k: int, opts: _Opts, plan: dict):
             if not new:
                 stats["skipped_empty_text"] += 1
             stats["blocks"] += len(new)
+            stats[SENTENCES] += sum(len(b.sentences) for b in new)
             batch.extend(new)
             while len(batch) >= BATCH:
                 yield ((k, j), batch[:BATCH])
@@ -273,22 +320,23 @@ def _chunk_blocks(k: int, opts: _Opts, plan: dict):
     yield beam.pvalue.TaggedOutput("stats", stats)
 
 
-def _offsets(counts: list) -> dict:
-    """{batch key: records in the batches before it} from [(batch key, count)]."""
-    out, total = {}, 0
+def _offsets(counts: list, base: int = 0) -> dict:
+    """{batch key: base + records in the batches before it} from [(batch key, count)]."""
+    out, total = {}, base
     for key, n in sorted(counts):
         out[key] = total
         total += n
     return out
 
 
-def dense_ids(batches, name: str):
-    """(key, [records]) -> (key, first id, [records]): ids 0..N-1 in key order."""
+def dense_ids(batches, name: str, base: int = 0):
+    """(key, [records]) -> (key, first id, [records]): ids base..base+N-1 in key order (base:
+    the records of the windows before this one)."""
     offsets = (
         batches
         | f"{name}Count" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
         | f"{name}Counts" >> beam.combiners.ToList()
-        | f"{name}Offsets" >> beam.Map(_offsets)
+        | f"{name}Offsets" >> beam.Map(_offsets, base)
     )
     return batches | f"{name}Ids" >> beam.Map(
         lambda kv, off: (kv[0], off[kv[0]], kv[1]), off=beam.pvalue.AsSingleton(offsets)
@@ -296,14 +344,14 @@ def dense_ids(batches, name: str):
 
 
 def blocks(pipeline, opts: _Opts, plan: dict):
-    """(batch key, first block id, [Block]) and a stats PCollection."""
+    """(batch key, first block id, [Block]) of the window's chunks, and a stats PCollection."""
     res = (
         pipeline
-        | "Chunks" >> beam.Create(range(len(plan["first_line"]) - 1))
+        | "Chunks" >> beam.Create(plan["chunks"])
         | "Spread" >> beam.Reshuffle()  # one chunk per worker at a time
         | "Blocks" >> beam.FlatMap(_chunk_blocks, opts, plan).with_outputs("stats", main="blocks")
     )
-    return dense_ids(res.blocks, "Block"), res.stats
+    return dense_ids(res.blocks, "Block", plan["base"]["blocks"]), res.stats
 
 
 def _block_examples(batch):
@@ -367,11 +415,11 @@ class MaskBatch(beam.DoFn):
             yield batch[0], records
 
 
-def write_sentences(bl, opts: _Opts, prefix: str) -> None:
+def write_sentences(bl, opts: _Opts, prefix: str, base: int) -> None:
     """Block batches -> the sentence table (JSON lines, one numbered sentence batch a line)
     that both example pipelines read, so documents are tokenised and blocked once."""
     _ = (
-        dense_ids(bl | "Sentences" >> beam.FlatMap(_sentences, opts), "Sentence")
+        dense_ids(bl | "Sentences" >> beam.FlatMap(_sentences, opts), "Sentence", base)
         | "SentenceJson" >> beam.Map(json.dumps)
         | "WriteSentences" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
     )
@@ -382,8 +430,8 @@ def _sentence_batch(line: str):
     return tuple(key), first, sents
 
 
-def examples(pipeline, opts: _Opts, prefix: str, held_out: bool):
-    """(example_id, record) of one split, and a stats PCollection."""
+def examples(pipeline, opts: _Opts, prefix: str, held_out: bool, base: int):
+    """(example_id, record) of one split (ids from base), and a stats PCollection."""
     res = (
         pipeline
         | "ReadSentences" >> beam.io.ReadFromText(prefix + "*")
@@ -396,7 +444,7 @@ def examples(pipeline, opts: _Opts, prefix: str, held_out: bool):
         for i, rec in enumerate(records):
             yield first + i, {**rec, "example_id": first + i}
 
-    return dense_ids(res.ex, "Example") | "Keyed" >> beam.FlatMap(keyed), res.stats
+    return dense_ids(res.ex, "Example", base) | "Keyed" >> beam.FlatMap(keyed), res.stats
 
 
 # -------------------------------------------------------------------------------- TFDS builders
@@ -425,7 +473,7 @@ class _BeamBlocks(local.RealmBlocks, skip_registration=True):
     def _split_generators(self, dl_manager, pipeline):
         bl, stats = blocks(pipeline, self._opts, self._plan)
         _write_stats(stats, self._stats_path)
-        write_sentences(bl, self._opts, self._plan["sentences"])
+        write_sentences(bl, self._opts, self._plan["sentences"], self._plan["base"][SENTENCES])
         return {"train": bl | "Records" >> beam.FlatMap(_block_examples)}
 
 
@@ -440,7 +488,9 @@ class _BeamExamples(local.RealmExamples, skip_registration=True):
         super().__init__(**kwargs)
 
     def _split_generators(self, dl_manager, pipeline):
-        ex, stats = examples(pipeline, self._opts, self._plan["sentences"], self._held_out)
+        name = "eval_examples" if self._held_out else "examples"
+        base = self._plan["base"][name]
+        ex, stats = examples(pipeline, self._opts, self._plan["sentences"], self._held_out, base)
         _write_stats(stats, self._stats_path)
         return {"train": ex}
 
@@ -490,6 +540,53 @@ ALWAYS = (
 )
 
 
+def windows(num_chunks: int, chunk_kb: int, window_kb: int, runner: str) -> list[list[int]]:
+    """The chunks of each window, in corpus order: whole chunks of about window_kb KiB on a
+    local runner (window_kb 0: one window), the whole corpus on any other runner."""
+    per = max(1, window_kb // chunk_kb) if window_kb and runner in LOCAL_RUNNERS else num_chunks
+    return [list(range(s, min(s + per, num_chunks))) for s in range(0, num_chunks, per)]
+
+
+def merge_parts(parts: list[str], dest: str) -> None:
+    """Join the windows' datasets of one builder (each a TFDS data_dir holding
+    <name>/<version>/) into one at dest: their shard files renamed in window order with global
+    shard numbers, dataset_info's split shard lengths and bytes joined. Records keep their
+    order, so record i is still id i."""
+    if len(parts) == 1:
+        os.rename(parts[0], dest)
+        return
+    infos, versions = [], []
+    for part in parts:
+        (name,) = os.listdir(part)
+        (version,) = os.listdir(os.path.join(part, name))
+        versions.append(os.path.join(part, name, version))
+        infos.append(_read_json(os.path.join(versions[-1], "dataset_info.json")))
+    (split,) = infos[0]["splits"]
+    template = split.get("filepathTemplate", "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}")
+    if template != "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}":
+        raise PrepareError(f"TFDS wrote shards as {template!r}; merge_parts expects the default")
+    stem = f"{infos[0]['name']}-{split['name']}.{infos[0]['fileFormat']}"
+    lengths = [int(n) for info in infos for n in info["splits"][0]["shardLengths"]]
+    out = os.path.join(dest, name, version)
+    os.makedirs(out)
+    shard = 0
+    for info, src in zip(infos, versions, strict=True):
+        count = len(info["splits"][0]["shardLengths"])
+        for i in range(count):
+            old = os.path.join(src, f"{stem}-{i:05d}-of-{count:05d}")
+            os.rename(old, os.path.join(out, f"{stem}-{shard:05d}-of-{len(lengths):05d}"))
+            shard += 1
+    shutil.copy(os.path.join(versions[0], "features.json"), out)
+    numbytes = sum(int(info["splits"][0].get("numBytes", 0)) for info in infos)
+    merged = {
+        **infos[0],
+        "splits": [{**split, "shardLengths": [str(n) for n in lengths], "numBytes": str(numbytes)}],
+    }
+    _write_json(merged, os.path.join(out, "dataset_info.json"))
+    for part in parts:
+        shutil.rmtree(part)
+
+
 def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: str) -> str:
     """Build blocks/, examples/ and eval_examples/ under tmp (one missing when it would be
     empty; prepare.py explains); fills stats as the in-process path does; returns the
@@ -499,7 +596,20 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
         raise PrepareError(f"data.engine='beam': {why}; use --config.data.engine=local")
     opts = _Opts({k: data[k] for k in OPT_FIELDS})
     options, runner = options or default_options(), runner_name(runner)
+    if runner == "DataflowRunner":
+        # Refused before a job is submitted: it would fail at its first shard write.
+        raise PrepareError(
+            "--beam_runner=DataflowRunner is not supported yet: the datasets are written to "
+            "prepare's build folder on this machine with array_record's writer, which writes "
+            "local files only, so Dataflow workers cannot write them (tpu/README.md)"
+        )
+    if runner not in LOCAL_RUNNERS:
+        print(
+            f"prepare on Apache Beam: {runner}'s workers must be able to write {tmp} "
+            "(a shared file system)"
+        )
     logging.getLogger("apache_beam").setLevel(logging.WARNING)  # per-stage INFO chatter
+    tfds.disable_progress_bar()  # one bar per pipeline; the windows' lines below say more
     pipe_opts = beam.options.pipeline_options.PipelineOptions(shlex.split(options))
     work = os.path.join(tmp, "beam")
     os.makedirs(work, exist_ok=True)
@@ -507,24 +617,50 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
     t0 = time.time()
     plan = check_scan(opts, scan(opts, runner, pipe_opts, os.path.join(work, "scan.json")), stats)
     print(f"prepare on Apache Beam: scan pipeline took {time.time() - t0:.1f}s")
-    plan["sentences"] = os.path.join(work, "sentences")
     dl = tfds.download.DownloadConfig(beam_runner=runner, beam_options=pipe_opts)
+    wins = windows(len(plan["first_line"]) - 1, opts.beam_chunk_kb, data.beam_window_kb, runner)
+    names = ["blocks", "eval_examples", "examples"]
+    # Ids of the windows before: blocks, sentences (the random-masking seed), examples by split.
+    plan["base"] = dict.fromkeys([*names, SENTENCES], 0)
+    parts, got, t_start = {n: [] for n in names}, [], time.time()
 
-    def run(name: str, cls, **kw) -> dict:
-        path, t0 = os.path.join(work, f"{name}.stats.json"), time.time()
-        _build(cls, os.path.join(tmp, name), dl, opts=opts, plan=plan, stats_path=path, **kw)
-        print(f"prepare on Apache Beam: {name} pipeline took {time.time() - t0:.1f}s")
-        return _read_json(path) if os.path.exists(path) else {}
+    def run(name: str, cls, w: int, **kw) -> dict:
+        path, t0 = os.path.join(work, f"{name}-{w}.stats.json"), time.time()
+        folder = os.path.join(work, f"{name}-{w}")
+        if _build(cls, folder, dl, opts=opts, plan=plan, stats_path=path, **kw):
+            parts[name].append(folder)
+        print(f"prepare on Apache Beam: {where}{name} pipeline took {time.time() - t0:.1f}s")
+        got.append(_read_json(path) if os.path.exists(path) else {})
+        return got[-1]
 
-    got = [run("blocks", _BeamBlocks)]
-    if stats["documents"] and got[0].get("blocks"):
-        if data.eval_fraction > 0:
-            got.append(run("eval_examples", _BeamExamples, held_out=True))
-            stats["eval_examples"] = got[-1].get("kept", 0)
-        got.append(run("examples", _BeamExamples, held_out=False))
-        stats["examples"] = got[-1].get("kept", 0)
+    for w, chunks in enumerate(wins):
+        where = f"window {w + 1}/{len(wins)}: " if len(wins) > 1 else ""
+        plan.update(chunks=chunks, sentences=os.path.join(work, f"sentences-{w}", "part"))
+        made = run("blocks", _BeamBlocks, w)
+        if stats["documents"] and made.get("blocks"):
+            if data.eval_fraction > 0:
+                plan["base"]["eval_examples"] += run(
+                    "eval_examples", _BeamExamples, w, held_out=True
+                ).get("kept", 0)
+            plan["base"]["examples"] += run("examples", _BeamExamples, w).get("kept", 0)
+        plan["base"]["blocks"] += made.get("blocks", 0)
+        plan["base"][SENTENCES] += made.get(SENTENCES, 0)
+        if len(wins) > 1:
+            done, spent = chunks[-1] + 1, time.time() - t_start
+            eta = spent / done * (len(plan["first_line"]) - 1 - done)
+            print(
+                f"prepare on Apache Beam: {where}{plan['base']['blocks']:,} blocks so far, "
+                f"{spent:.0f}s, ETA {eta:.0f}s"
+            )
+    for name in names:
+        if parts[name]:
+            merge_parts(parts[name], os.path.join(tmp, name))
+    stats["eval_examples"] = plan["base"]["eval_examples"]
+    stats["examples"] = plan["base"]["examples"]
     for g in got:
-        stats.update({k: v for k, v in g.items() if not k.startswith("mode_") and k != "kept"})
+        stats.update(
+            {k: v for k, v in g.items() if not k.startswith(("mode_", "_")) and k != "kept"}
+        )
     for key in list(stats):
         if not stats[key] and key not in ALWAYS:
             del stats[key]
