@@ -125,7 +125,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.beam_chunk_kb = 1024  # Beam: corpus KiB one worker reads and blocks at a time
     # Beam on a local runner (which holds a pipeline's data in memory): corpus KiB prepared per
     # round of pipelines, bounding memory; 0: the whole corpus at once. Other runners: ignored.
-    c.data.beam_window_kb = 8192
+    c.data.beam_window_kb = 8192  # Beam, local runners: corpus KiB per round (above)
 
     # ---------------------------------------------------------------- mesh
     c.mesh = ml_collections.ConfigDict()
