@@ -177,6 +177,15 @@ def _all_devices_mesh(config):
     return ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (-1, 1)})
 
 
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM/SIGINT set `stop`, from a short-lived thread: Event.set takes the Event's lock,
+    which this main thread may hold at that moment (inside Event.wait, between its steps), and
+    a handler calling it directly then waits for itself forever. That hang left a refresher
+    orphaned and deaf to SIGTERM when `local` was killed (bench/drills.py found it)."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: threading.Thread(target=stop.set, daemon=True).start())
+
+
 def command(config, args) -> int:
     """`realm-jax refresh`: run the refresh job until SIGTERM/SIGINT (or --max_versions).
 
@@ -185,8 +194,7 @@ def command(config, args) -> int:
     from realm_jax.data import prepared
 
     stop = threading.Event()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
+    stop_on_signals(stop)
     with workdir_lock(args.workdir, "refresher", enabled=jax.process_index() == 0):
         tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
         Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
