@@ -8,7 +8,8 @@ drill prints what it proved; the results go to the "Drills" section of docs/reli
 Drills (all on configs/realm.py:smoke, 2 fake CPU devices, the bundled sample prepared once
 into <root>/data and shared by every run through data.data_dir):
 
-- trainer: `local` (trainer + refresh job) killed with SIGKILL at seeded random moments, one
+- trainer: `local` (trainer + refresh job) killed with SIGKILL at seeded random moments (2-5
+  steps into a run, at a random point of a step: paced in steps, so the same on any machine), one
   of them while an orbax async save is in flight (a save the log started that has not
   completed), one inside an index swap, then resumed. Every resume must start from the
   newest checkpoint that was complete at the kill, and the example ids each step trained
@@ -266,9 +267,19 @@ def _kill_trainer(
     if not run.alive():
         return None
     if kind == "random":
-        delay = rng.uniform(0.0, 12.0)
-        time.sleep(delay)
-        what = f"{delay:.2f}s after its first step"
+        # Paced in steps, not seconds, so that the drill means the same on a fast machine
+        # and a slow one: after 2-5 steps of this run (a checkpoint every 3, so a kill may
+        # or may not find a newer one complete), at a random point of the next step.
+        n = rng.randint(2, 5)
+        seen, t_last, step_s = 1, time.time(), None
+        while seen < n and run.alive():
+            time.sleep(0.01)
+            now_seen = len(records_since(work, n0))
+            if now_seen > seen:
+                seen, step_s, t_last = now_seen, time.time() - t_last, time.time()
+        frac = rng.uniform(0.0, 1.0)
+        time.sleep(frac * (step_s or 0.0))
+        what = f"{frac:.2f} of a step after this run's step #{seen} was recorded"
     elif kind == "save":
 
         def in_flight():  # a new tmp folder, or a save the log started (orbax may reuse
@@ -682,7 +693,7 @@ def trainer_md(r: dict, checks) -> str:
             f"{x['complete']} | {flight} | {tmp} | {x['child_exit']:.1f}s | {x.get('resumed')} | "
             f"{x.get('first_step')} |"
         )
-    (bs, bl), (s, lo) = r["base_loss"], r["loss"]
+    (bs, bl), (s, lo) = r["base_loss"], r["loss"] or ("-", "none: it trained no step")
     return "\n".join(
         [
             f"### Trainer killed {len(r['rows'])} times (`local`, {r['steps']} steps, a "
