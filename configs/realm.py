@@ -126,6 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Beam on a local runner (which holds a pipeline's data in memory): corpus KiB prepared per
     # round of pipelines, bounding memory; 0: the whole corpus at once. Other runners: ignored.
     c.data.beam_window_kb = 8192  # Beam, local runners: corpus KiB per round (above)
+    c.data.beam_shard_records = 65536  # Beam: records per array_record shard file
 
     # ---------------------------------------------------------------- mesh
     c.mesh = ml_collections.ConfigDict()

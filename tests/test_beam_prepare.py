@@ -54,14 +54,19 @@ def _assert_same(local_dir, beam_dir):
 
 def test_beam_matches_in_process_on_the_sample(tmp_path):
     """Salient (spaCy NER) masking over the bundled sample, read in 5 chunks, prepared in 3
-    windows of 2 chunks (ids continue across windows; the shards are joined into one dataset)."""
+    windows of 2 chunks (ids continue across windows; the windows' shards of 100 records,
+    some cut short by a window's end, are joined into one dataset in id order)."""
     cfg = _config(SAMPLE, "data.beam_chunk_kb=64")
     local = _prepare(cfg, str(tmp_path / "local"), "local")
-    over = ("data.beam_chunk_kb=64", "data.beam_window_kb=128")
+    over = ("data.beam_chunk_kb=64", "data.beam_window_kb=128", "data.beam_shard_records=100")
     beam = _prepare(_config(SAMPLE, *over), str(tmp_path / "beam"), "beam")
     assert local["counts"]["examples"] > 500 and local["counts"]["eval_examples"] > 50
     assert beam["counts"]["blocks"] == local["counts"]["blocks"] > 400
     _assert_same(str(tmp_path / "local"), str(tmp_path / "beam"))
+    info = tmp_path / "beam" / "blocks" / "realm_blocks" / "1.0.0" / "dataset_info.json"
+    lengths = [int(n) for n in json.loads(info.read_text())["splits"][0]["shardLengths"]]
+    assert sum(lengths) == beam["counts"]["blocks"] and len(lengths) > 7
+    assert max(lengths) == 100 and min(lengths) < 100  # a window's last shard is short
 
 
 def _dirty_corpus(tmp_path) -> str:
@@ -118,6 +123,8 @@ def test_windows():
 
 
 def test_engine_choice(tmp_path):
+    from realm_jax.data import beam_prepare as B
+
     argv = ["prepare", "--workdir=w", "--beam_runner=DataflowRunner", "--beam_options=--project=p"]
     args = cli._parser().parse_args(argv)
     assert (args.beam_runner, args.beam_options) == ("DataflowRunner", "--project=p")
@@ -136,9 +143,17 @@ def test_engine_choice(tmp_path):
     with pytest.raises(prepared.PrepareError, match="a .txt folder is in-process"):
         _prepare(cfg, str(tmp_path / "d"), "beam")
     cfg.data.corpus = SAMPLE
-    with pytest.raises(prepared.PrepareError, match="DataflowRunner is not supported yet"):
-        P.prepare(cfg, str(tmp_path / "d"), beam_runner="DataflowRunner")
-    assert not os.path.exists(tmp_path / "d" / "summary.json")
+    # Dataflow's workers read the corpus and write the datasets: both must be on gs://.
+    where = "data.corpus .* and the data_dir .* must be gs:// paths"
+    with pytest.raises(prepared.PrepareError, match=f"DataflowRunner: .*{where}"):
+        P.prepare(cfg, str(tmp_path / "e"), beam_runner="DataflowRunner")
+    cfg.data.corpus = "gs://bucket/corpus.jsonl"
+    assert P.choose_engine(cfg.data) == "beam"  # the in-process reader reads local files
+    with pytest.raises(prepared.PrepareError, match="so the data_dir .* must be a gs:// path"):
+        B.check_runner(cfg.data, "DataflowRunner", str(tmp_path / "d"))
+    B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
+    B.check_runner(_config(SAMPLE).data, "FnApiRunner", str(tmp_path / "d"))  # local: anything
+    assert not os.path.exists(tmp_path / "e")  # refused before anything was made
 
 
 def test_duplicate_check_compares_ids_where_hashes_collide(tmp_path, monkeypatch):

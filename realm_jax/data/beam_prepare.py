@@ -1,5 +1,5 @@
-"""`prepare` on Apache Beam: the same datasets as data/prepare.py's in-process path, built by
-TFDS's Beam support (a builder whose split is a PCollection), the way TFDS builds Wikipedia.
+"""`prepare` on Apache Beam: the same datasets as data/prepare.py's in-process path, in TFDS's
+array_record format, built by Beam pipelines on a local runner or on Dataflow.
 
 Nothing holds the corpus: the input file is cut into byte ranges ("chunks", data.beam_chunk_kb);
 a worker reads the lines starting in its range, so every stage streams. Four pipelines run:
@@ -8,32 +8,36 @@ a worker reads the lines starting in its range, so every stage streams. Four pip
                  "<stem>:<line>" ids), bad lines, duplicate ids (an 8-byte hash of each id;
                  the ids themselves are compared only where hashes collide).
                  Bad input stops here with the in-process path's message, before any NER.
-  blocks         chunk -> documents -> blocks (tokenise, split) -> dense ids -> TFDS writer;
+  blocks         chunk -> documents -> blocks (tokenise, split) -> dense ids -> shards;
                  and the sentence table: every block's sentences, numbered, as JSON lines
   eval_examples, sentence table -> one split's share -> tokenise, spaCy NER (one model per
-  examples       worker, loaded in DoFn.setup) -> dense example ids -> TFDS writer
+  examples       worker, loaded in DoFn.setup) -> dense example ids -> shards
 
 Deterministic ids without a global counter: records travel in batches keyed by their place in
 the corpus, (chunk, batch within chunk), each made by one worker in input order. Counting the
 records of every batch and summing the counts of the batches before it (a small side input, one
 int per batch) gives each batch its first id: block_id, the sentence index (the random-masking
-seed) and example_id come out exactly as the in-process path numbers them. The TFDS builders
-disable shuffling, so the Beam writer orders records by their integer key: keyed by id, record i
-is block (or example) i, which the readers, the index and the trainer rely on.
+seed) and example_id come out exactly as the in-process path numbers them.
 
-Memory: a worker holds one chunk of text and its blocks, or one batch of sentences, at a time,
-and the TFDS writer one output shard (ShardConfig's size limit); what crosses a shuffle or waits
-for a side input (the batches before their ids are known, the writer's GroupByKey of every
-serialized record) is held by the runner: disk-backed on Dataflow, but in memory on Beam's local
-runners, whose FnApiRunner also hands each worker a stage's whole input as one bundle. So on a
-local runner the blocks and examples pipelines run once per *window* of the corpus
-(data.beam_window_kb, whole chunks), one after another, each window's ids starting where the
-previous window's ended; the windows' TFDS shards are then renamed into one dataset and their
-dataset_info shard lengths joined (merge_parts). Peak memory is then bounded by the window, not
-the corpus (bench/prepare_beam.py measures 10k against 100k passages); on Dataflow the whole
-corpus is one window. Only the scan covers the corpus in one pipeline: for the duplicate check
-it keeps an 8-byte hash of each document's id and its line (a few tens of bytes per document
-at the peak of the check), not the text.
+Output: each shard file holds a fixed range of ids (data.beam_shard_records), written in id
+order by one worker on its local disk (array_record's writer writes local files only) and
+copied into the build folder, local or gs://; the driver then gives the shards TFDS's names
+and writes dataset_info (finalize), so record i is block (or example) i, which the readers,
+the index and the trainer rely on. TFDS's own Beam writer is not used, on purpose: it writes
+its shards with array_record's local writer straight into the build folder (no gs://, so no
+Dataflow) and shuffles every record by a hash of its key.
+
+Memory: a worker holds one chunk of text and its blocks, one batch of sentences, or one shard,
+at a time; what crosses a shuffle or waits for a side input (the batches before their ids are
+known, the records grouped by shard) is held by the runner: disk-backed on Dataflow, but in
+memory on Beam's local runners, whose FnApiRunner also hands each worker a stage's whole input
+as one bundle. So on a local runner the blocks and examples pipelines run once per *window* of
+the corpus (data.beam_window_kb, whole chunks), one after another, each window's ids starting
+where the previous window's ended and its shards numbered after the previous window's. Peak
+memory is then bounded by the window, not the corpus (bench/prepare_beam.py measures 10k to
+200k passages); on Dataflow the whole corpus is one window. Only the scan covers the corpus in
+one pipeline: for the duplicate check it keeps an 8-byte hash of each document's id and its
+line (a few tens of bytes per document at the peak of the check), not the text.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
+import tempfile
 import time
 
 import apache_beam as beam
@@ -55,6 +61,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from apache_beam.io.filesystems import CompressionTypes, FileSystems
 
+from realm_jax import fs
 from realm_jax import tokenization as tk
 from realm_jax.data import corpus as corpus_lib
 from realm_jax.data import masking
@@ -64,7 +71,7 @@ from realm_jax.data.prepared import PrepareError, is_eval
 SENTENCES = "_block_sentences"  # stats key: sentences of a window's blocks (not reported)
 BATCH = 256  # blocks per batch; a batch's sentences go through one NER nlp.pipe call
 # The fields the workers need (a plain dict travels to workers; a locked ConfigDict need not).
-OPT_FIELDS = (*local.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb")
+OPT_FIELDS = (*local.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb", "beam_shard_records")
 # Runners that keep a pipeline's data in this process's memory: they prepare window by window.
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "PrismRunner")
 
@@ -150,16 +157,22 @@ def _id_hash(doc_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "little")
 
 
+def _lenient_reader() -> corpus_lib._Reader:
+    """A reader that counts bad lines instead of raising, and leaves duplicates to the scan."""
+    r = corpus_lib._Reader(True, collections.Counter())
+    r.seen = _NeverSeen()
+    return r
+
+
 def _scan_chunk(k: int, path: str, chunk_bytes: int):
     """Per chunk: (k, lines, bad lines, counts, id hashes, their lines). Line numbers are
     chunk-local here (the chunks before are not counted yet). The duplicate check keeps 8 bytes
-    of hash and 4 of line per document, not the ids: check_scan compares the ids themselves only
-    where hashes collide."""
+    of hash and 4 of line per document, not the ids: `duplicates` compares the ids themselves
+    only where hashes collide."""
     lines, bad, stats, hashes, where = 0, [], collections.Counter(), [], []
     for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
         lines += 1
-        r = corpus_lib._Reader(True, collections.Counter())
-        r.seen = _NeverSeen()
+        r = _lenient_reader()
         # A placeholder line number: unique, so defaulted ids ("<stem>:<line>") never collide.
         n, first = f"@{k}:{i}", k == 0 and i == 0
         doc = parse_line(path, n, raw, r, first)
@@ -180,9 +193,7 @@ def _ids_at(path: str, chunk_bytes: int, k: int, wanted: set) -> dict:
     out = {}
     for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
         if i in wanted:
-            r = corpus_lib._Reader(True, collections.Counter())
-            r.seen = _NeverSeen()
-            out[i] = parse_line(path, f"@{k}:{i}", raw, r, k == 0 and i == 0)[0]
+            out[i] = parse_line(path, f"@{k}:{i}", raw, _lenient_reader(), k == 0 and i == 0)[0]
     return out
 
 
@@ -293,9 +304,7 @@ def _chunk_blocks(k: int, opts: _Opts, plan: dict):
     """One chunk's documents -> ((k, j), [Block]) batches in corpus order (local block ids),
     plus ("stats", Counter) of blocks and empty documents."""
     path, skip, first = opts.corpus, set(map(tuple, plan["skip"])), plan["first_line"][k]
-    r = corpus_lib._Reader(True, collections.Counter())
-    r.seen = _NeverSeen()
-    docs = []
+    r, docs = _lenient_reader(), []
     for i, raw in enumerate(chunk_lines(path, k, opts.beam_chunk_kb * 1024)):
         doc = parse_line(path, first + i + 1, raw, r, first + i == 0)
         if doc is not None and (k, i) not in skip:
@@ -354,10 +363,12 @@ def blocks(pipeline, opts: _Opts, plan: dict):
     return dense_ids(res.blocks, "Block", plan["base"]["blocks"]), res.stats
 
 
-def _block_examples(batch):
+def _block_records(batch):
+    """(key, first block id, [Block]) -> (first block id, [block records])."""
     _, first, bs = batch
-    for i, b in enumerate(bs):
-        yield first + i, local.block_record(dataclasses.replace(b, block_id=first + i))
+    return first, [
+        local.block_record(dataclasses.replace(b, block_id=first + i)) for i, b in enumerate(bs)
+    ]
 
 
 # ------------------------------------------------------------------------------------ masking
@@ -431,7 +442,8 @@ def _sentence_batch(line: str):
 
 
 def examples(pipeline, opts: _Opts, prefix: str, held_out: bool, base: int):
-    """(example_id, record) of one split (ids from base), and a stats PCollection."""
+    """(first example_id, [records]) batches of one split (ids from base), and a stats
+    PCollection."""
     res = (
         pipeline
         | "ReadSentences" >> beam.io.ReadFromText(prefix + "*")
@@ -439,12 +451,11 @@ def examples(pipeline, opts: _Opts, prefix: str, held_out: bool, base: int):
         | "Mask" >> beam.ParDo(MaskBatch(opts, held_out)).with_outputs("stats", main="ex")
     )
 
-    def keyed(batch):
+    def numbered(batch):
         _, first, records = batch
-        for i, rec in enumerate(records):
-            yield first + i, {**rec, "example_id": first + i}
+        return first, [{**rec, "example_id": first + i} for i, rec in enumerate(records)]
 
-    return dense_ids(res.ex, "Example", base) | "Keyed" >> beam.FlatMap(keyed), res.stats
+    return dense_ids(res.ex, "Example", base) | "Numbered" >> beam.Map(numbered), res.stats
 
 
 # -------------------------------------------------------------------------------- TFDS builders
@@ -461,56 +472,125 @@ def _write_stats(stats, path: str) -> None:
     )
 
 
-class _BeamBlocks(local.RealmBlocks, skip_registration=True):
-    """RealmBlocks whose train split is a PCollection built in the pipeline TFDS runs."""
-
-    name = "realm_blocks"  # the in-process builder's folder name: readers find both alike
-
-    def __init__(self, *, opts=None, plan=None, stats_path="", **kwargs):
-        self._opts, self._plan, self._stats_path = opts, plan, stats_path
-        super().__init__(**kwargs)
-
-    def _split_generators(self, dl_manager, pipeline):
-        bl, stats = blocks(pipeline, self._opts, self._plan)
-        _write_stats(stats, self._stats_path)
-        write_sentences(bl, self._opts, self._plan["sentences"], self._plan["base"][SENTENCES])
-        return {"train": bl | "Records" >> beam.FlatMap(_block_examples)}
+# ---------------------------------------------------------------------------- array_record sink
+# TFDS gives the format (features, serializer, dataset_info); the records are written by the
+# pipeline itself, not by TFDS's Beam writer, on purpose: that writer opens array_record files
+# with array_record's own writer, which writes local files only (no gs:// build folder, so no
+# Dataflow), and shuffles every serialized record by a hash of its key. Here records travel in
+# id-ordered batches; each shard is a fixed range of ids (data.beam_shard_records), written by
+# one worker to its local disk and copied to the build folder (a local folder or gs://) under a
+# name that carries its window, its place and its record count. The driver then renames the
+# shards to TFDS's names and writes dataset_info from those counts (finalize).
+PART = re.compile(r"-w(\d+)-(\d+)\.n(\d+)$")  # a written shard: window, shard in window, records
 
 
-class _BeamExamples(local.RealmExamples, skip_registration=True):
-    """RealmExamples of the training sentences (held_out=False) or the held-out ones."""
-
-    name = "realm_examples"
-
-    def __init__(self, *, opts=None, plan=None, stats_path="", held_out=False, **kwargs):
-        self._opts, self._plan, self._stats_path = opts, plan, stats_path
-        self._held_out = held_out
-        super().__init__(**kwargs)
-
-    def _split_generators(self, dl_manager, pipeline):
-        name = "eval_examples" if self._held_out else "examples"
-        base = self._plan["base"][name]
-        ex, stats = examples(pipeline, self._opts, self._plan["sentences"], self._held_out, base)
-        _write_stats(stats, self._stats_path)
-        return {"train": ex}
+def dataset_folder(tmp: str, name: str, cls) -> str:
+    """Where TFDS keeps a dataset's files: <tmp>/<name>/<builder name>/<version>."""
+    return fs.join(tmp, name, cls.name, str(cls.VERSION))
 
 
-def _build(cls, folder: str, config, **kwargs) -> bool:
-    """Build one dataset; False when it has no records (TFDS cannot write an empty dataset)."""
-    builder = cls(data_dir=folder, **kwargs)
-    try:
-        builder.download_and_prepare(
-            file_format="array_record",
-            download_dir=os.path.join(folder, "downloads"),
-            download_config=config,
-        )
-    except Exception as e:  # the Beam writer's "number of generated examples is 0" check
-        if "generated examples is 0" not in str(e):
-            raise
-        shutil.rmtree(folder, ignore_errors=True)
-        return False
-    shutil.rmtree(os.path.join(folder, "downloads"), ignore_errors=True)
-    return True
+def _stem(cls) -> str:
+    return f"{cls.name}-train.array_record"
+
+
+def _shard_parts(batch, base: int, per: int):
+    """(first id, [records]) -> (shard in window, (first id, records)) pieces: shard s of a
+    window holds ids base + s * per ... base + (s + 1) * per - 1."""
+    first, recs = batch
+    i = 0
+    while i < len(recs):
+        s = (first + i - base) // per
+        end = min(len(recs), base + (s + 1) * per - first)
+        yield s, (first + i, recs[i:end])
+        i = end
+
+
+class WriteShard(beam.DoFn):
+    """(shard, [(first id, records)]) -> one array_record file in the build folder, records in
+    id order (TFDS's encoding and serialization, as its writer would store them)."""
+
+    def __init__(self, cls, folder: str, window: int, base: int, per: int):
+        self.cls, self.folder, self.window, self.base, self.per = cls, folder, window, base, per
+
+    def setup(self):
+        from tensorflow_datasets.core import example_serializer
+
+        self.features = tfds.features.FeaturesDict(self.cls.FEATURES)
+        self.serializer = example_serializer.ExampleSerializer(self.features.get_serialized_info())
+
+    def process(self, shard_parts):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        shard, parts = shard_parts
+        parts = sorted(parts, key=lambda p: p[0])
+        want = self.base + shard * self.per
+        n = 0
+        fd, local_path = tempfile.mkstemp(suffix=".array_record")
+        os.close(fd)
+        try:
+            writer = ArrayRecordWriter(local_path, "group_size:1")
+            for first, recs in parts:
+                if first != want + n:  # ids are dense: a gap or overlap is a bug, not data
+                    raise RuntimeError(f"shard {shard}: records from id {first}, {want + n} due")
+                for rec in recs:
+                    writer.write(
+                        self.serializer.serialize_example(self.features.encode_example(rec))
+                    )
+                n += len(recs)
+            writer.close()
+            name = f"{_stem(self.cls)}-w{self.window:05d}-{shard:05d}.n{n}"
+            with (
+                open(local_path, "rb") as src,
+                FileSystems.create(fs.join(self.folder, name)) as dst,
+            ):
+                shutil.copyfileobj(src, dst, 1 << 22)
+        finally:
+            os.remove(local_path)
+        yield n
+
+
+def write_records(batches, cls, tmp: str, name: str, window: int, base: int, per: int) -> None:
+    """(first id, [records]) batches with dense ids from base -> this window's shards of
+    dataset `name` (renamed and described by finalize once every window is written)."""
+    folder = dataset_folder(tmp, name, cls)
+    _ = (
+        batches
+        | f"{name}Shards" >> beam.FlatMap(_shard_parts, base, per)
+        | f"{name}ByShard" >> beam.GroupByKey()
+        | f"{name}Write" >> beam.ParDo(WriteShard(cls, folder, window, base, per))
+    )
+
+
+def finalize(tmp: str, name: str, cls) -> int:
+    """Rename a dataset's written shards, in (window, shard) order, to TFDS's
+    <stem>-<i>-of-<n> names and write its dataset_info.json and features.json from their
+    record counts and sizes; returns the number of records (0: nothing was written and the
+    dataset is left out, as TFDS cannot describe an empty one)."""
+    folder = dataset_folder(tmp, name, cls)
+    found = FileSystems.match([fs.join(folder, f"{_stem(cls)}-w*")])[0].metadata_list
+    shards = sorted(
+        (tuple(int(g) for g in PART.search(m.path).groups()), m.path, m.size_in_bytes)
+        for m in found
+    )
+    if not shards:
+        return 0
+    total, lengths = len(shards), [n for (_, _, n), _, _ in shards]
+    for i, (_, path, _) in enumerate(shards):
+        FileSystems.rename([path], [fs.join(folder, f"{_stem(cls)}-{i:05d}-of-{total:05d}")])
+    with tempfile.TemporaryDirectory() as scratch:
+        info = cls(data_dir=scratch, file_format="array_record").info
+    template = tfds.core.ShardedFileTemplate(
+        data_dir=folder, dataset_name=cls.name, split="train", filetype_suffix="array_record"
+    )
+    split = tfds.core.SplitInfo(
+        name="train",
+        shard_lengths=lengths,
+        num_bytes=sum(size for _, _, size in shards),
+        filename_template=template,
+    )
+    info.set_splits(tfds.core.SplitDict([split]))
+    info.write_to_directory(folder)
+    return sum(lengths)
 
 
 def runner_name(runner: str) -> str:
@@ -547,102 +627,84 @@ def windows(num_chunks: int, chunk_kb: int, window_kb: int, runner: str) -> list
     return [list(range(s, min(s + per, num_chunks))) for s in range(0, num_chunks, per)]
 
 
-def merge_parts(parts: list[str], dest: str) -> None:
-    """Join the windows' datasets of one builder (each a TFDS data_dir holding
-    <name>/<version>/) into one at dest: their shard files renamed in window order with global
-    shard numbers, dataset_info's split shard lengths and bytes joined. Records keep their
-    order, so record i is still id i."""
-    if len(parts) == 1:
-        os.rename(parts[0], dest)
+def _run_blocks(p, opts: _Opts, plan: dict, tmp: str, stats_path: str) -> None:
+    """One window's blocks pipeline: blocks -> blocks dataset shards, the sentence table and
+    the window's stats."""
+    bl, stats = blocks(p, opts, plan)
+    _write_stats(stats, stats_path)
+    write_sentences(bl, opts, plan["sentences"], plan["base"][SENTENCES])
+    records = bl | "BlockRecords" >> beam.Map(_block_records)
+    w, base, per = plan["window"], plan["base"]["blocks"], opts.beam_shard_records
+    write_records(records, local.RealmBlocks, tmp, "blocks", w, base, per)
+
+
+def _run_examples(p, opts: _Opts, plan: dict, tmp: str, stats_path: str, name: str) -> None:
+    """One window's examples pipeline for one split (name: examples or eval_examples)."""
+    held_out, base = name == "eval_examples", plan["base"][name]
+    ex, stats = examples(p, opts, plan["sentences"], held_out, base)
+    _write_stats(stats, stats_path)
+    write_records(ex, local.RealmExamples, tmp, name, plan["window"], base, opts.beam_shard_records)
+
+
+def check_runner(data, runner: str, data_dir: str) -> None:
+    """Refuse, before anything runs, what a remote runner's workers could not reach: they read
+    data.corpus and write the build folder themselves, so both must be on an object store."""
+    if runner in LOCAL_RUNNERS:
         return
-    infos, versions = [], []
-    for part in parts:
-        (name,) = os.listdir(part)
-        (version,) = os.listdir(os.path.join(part, name))
-        versions.append(os.path.join(part, name, version))
-        infos.append(_read_json(os.path.join(versions[-1], "dataset_info.json")))
-    (split,) = infos[0]["splits"]
-    template = split.get("filepathTemplate", "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}")
-    if template != "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}":
-        raise PrepareError(f"TFDS wrote shards as {template!r}; merge_parts expects the default")
-    stem = f"{infos[0]['name']}-{split['name']}.{infos[0]['fileFormat']}"
-    lengths = [int(n) for info in infos for n in info["splits"][0]["shardLengths"]]
-    out = os.path.join(dest, name, version)
-    os.makedirs(out)
-    shard = 0
-    for info, src in zip(infos, versions, strict=True):
-        count = len(info["splits"][0]["shardLengths"])
-        for i in range(count):
-            old = os.path.join(src, f"{stem}-{i:05d}-of-{count:05d}")
-            os.rename(old, os.path.join(out, f"{stem}-{shard:05d}-of-{len(lengths):05d}"))
-            shard += 1
-    shutil.copy(os.path.join(versions[0], "features.json"), out)
-    numbytes = sum(int(info["splits"][0].get("numBytes", 0)) for info in infos)
-    merged = {
-        **infos[0],
-        "splits": [{**split, "shardLengths": [str(n) for n in lengths], "numBytes": str(numbytes)}],
-    }
-    _write_json(merged, os.path.join(out, "dataset_info.json"))
-    for part in parts:
-        shutil.rmtree(part)
+    missing = [
+        f"{what} ({path})"
+        for what, path in (("data.corpus", data.corpus), ("the data_dir", data_dir))
+        if not fs.is_remote(path)
+    ]
+    if missing:
+        raise PrepareError(
+            f"--beam_runner={runner}: its workers read the corpus and write the datasets "
+            f"themselves, so {' and '.join(missing)} must be "
+            f"{'a gs:// path' if len(missing) == 1 else 'gs:// paths'} (tpu/README.md)"
+        )
 
 
 def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: str) -> str:
-    """Build blocks/, examples/ and eval_examples/ under tmp (one missing when it would be
-    empty; prepare.py explains); fills stats as the in-process path does; returns the
-    effective masking mode. Bad input raises the in-process path's CorpusError."""
+    """Build blocks/, examples/ and eval_examples/ under tmp, a local folder or gs:// (one
+    dataset missing when it would be empty; prepare.py explains); fills stats as the
+    in-process path does; returns the effective masking mode. Bad input raises the in-process
+    path's CorpusError."""
     why = supported(data)
     if why:
         raise PrepareError(f"data.engine='beam': {why}; use --config.data.engine=local")
     opts = _Opts({k: data[k] for k in OPT_FIELDS})
     options, runner = options or default_options(), runner_name(runner)
-    if runner == "DataflowRunner":
-        # Refused before a job is submitted: it would fail at its first shard write.
-        raise PrepareError(
-            "--beam_runner=DataflowRunner is not supported yet: the datasets are written to "
-            "prepare's build folder on this machine with array_record's writer, which writes "
-            "local files only, so Dataflow workers cannot write them (tpu/README.md)"
-        )
-    if runner not in LOCAL_RUNNERS:
-        print(
-            f"prepare on Apache Beam: {runner}'s workers must be able to write {tmp} "
-            "(a shared file system)"
-        )
+    check_runner(data, runner, tmp)  # prepare checks it first, against the data_dir
     logging.getLogger("apache_beam").setLevel(logging.WARNING)  # per-stage INFO chatter
-    tfds.disable_progress_bar()  # one bar per pipeline; the windows' lines below say more
     pipe_opts = beam.options.pipeline_options.PipelineOptions(shlex.split(options))
-    work = os.path.join(tmp, "beam")
-    os.makedirs(work, exist_ok=True)
+    work = fs.join(tmp, "beam")  # scratch: the scan's result, sentence tables, stats
     print(f"prepare on Apache Beam: runner {runner}, options {options!r}")
     t0 = time.time()
-    plan = check_scan(opts, scan(opts, runner, pipe_opts, os.path.join(work, "scan.json")), stats)
+    plan = check_scan(opts, scan(opts, runner, pipe_opts, fs.join(work, "scan.json")), stats)
     print(f"prepare on Apache Beam: scan pipeline took {time.time() - t0:.1f}s")
-    dl = tfds.download.DownloadConfig(beam_runner=runner, beam_options=pipe_opts)
     wins = windows(len(plan["first_line"]) - 1, opts.beam_chunk_kb, data.beam_window_kb, runner)
     names = ["blocks", "eval_examples", "examples"]
     # Ids of the windows before: blocks, sentences (the random-masking seed), examples by split.
     plan["base"] = dict.fromkeys([*names, SENTENCES], 0)
-    parts, got, t_start = {n: [] for n in names}, [], time.time()
+    got, t_start = [], time.time()
 
-    def run(name: str, cls, w: int, **kw) -> dict:
-        path, t0 = os.path.join(work, f"{name}-{w}.stats.json"), time.time()
-        folder = os.path.join(work, f"{name}-{w}")
-        if _build(cls, folder, dl, opts=opts, plan=plan, stats_path=path, **kw):
-            parts[name].append(folder)
+    def run(name: str, where: str, pipeline, *args) -> dict:
+        path, t0 = fs.join(work, f"{name}-{plan['window']}.stats.json"), time.time()
+        with beam.Pipeline(runner=runner, options=pipe_opts) as p:
+            pipeline(p, opts, plan, tmp, path, *args)
         print(f"prepare on Apache Beam: {where}{name} pipeline took {time.time() - t0:.1f}s")
-        got.append(_read_json(path) if os.path.exists(path) else {})
+        got.append(_read_json(path) if FileSystems.exists(path) else {})
         return got[-1]
 
     for w, chunks in enumerate(wins):
         where = f"window {w + 1}/{len(wins)}: " if len(wins) > 1 else ""
-        plan.update(chunks=chunks, sentences=os.path.join(work, f"sentences-{w}", "part"))
-        made = run("blocks", _BeamBlocks, w)
+        part = fs.join(work, f"sentences-{w}", "part")
+        plan.update(chunks=chunks, window=w, sentences=part)
+        made = run("blocks", where, _run_blocks)
         if stats["documents"] and made.get("blocks"):
-            if data.eval_fraction > 0:
-                plan["base"]["eval_examples"] += run(
-                    "eval_examples", _BeamExamples, w, held_out=True
-                ).get("kept", 0)
-            plan["base"]["examples"] += run("examples", _BeamExamples, w).get("kept", 0)
+            splits = ["eval_examples"] * (data.eval_fraction > 0) + ["examples"]
+            for name in splits:
+                plan["base"][name] += run(name, where, _run_examples, name).get("kept", 0)
         plan["base"]["blocks"] += made.get("blocks", 0)
         plan["base"][SENTENCES] += made.get(SENTENCES, 0)
         if len(wins) > 1:
@@ -653,8 +715,10 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
                 f"{spent:.0f}s, ETA {eta:.0f}s"
             )
     for name in names:
-        if parts[name]:
-            merge_parts(parts[name], os.path.join(tmp, name))
+        cls = local.RealmBlocks if name == "blocks" else local.RealmExamples
+        written = finalize(tmp, name, cls)
+        if written != plan["base"][name]:  # a lost or repeated shard: never publish that
+            raise RuntimeError(f"{name}: {written} records written, {plan['base'][name]} made")
     stats["eval_examples"] = plan["base"]["eval_examples"]
     stats["examples"] = plan["base"]["examples"]
     for g in got:
@@ -666,6 +730,6 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
             del stats[key]
     for key in ALWAYS:
         stats[key] += 0
-    shutil.rmtree(work, ignore_errors=True)
+    fs.rmtree(work)
     random = data.masking == "random" or any(g.get("mode_random") for g in got)
     return "random" if random else "salient"

@@ -297,7 +297,7 @@ def _write(cls, records, folder: str) -> None:
 def _hash_file(h, path: str) -> None:
     h.update(path.encode() + b"\0")
     try:
-        with open(path, "rb") as f:
+        with fs.open(path, "rb") as f:  # a gs:// corpus too (Beam on Dataflow reads one)
             for chunk in iter(functools.partial(f.read, 1 << 20), b""):
                 h.update(chunk)
     except OSError as e:
@@ -309,7 +309,7 @@ def fingerprint(data) -> str:
     h = hashlib.sha256(f"realm-jax-prepare-v{FORMAT_VERSION}".encode())
     for field in ("corpus", "sentences"):
         src = data[field]
-        if src and not os.path.exists(src):
+        if src and not fs.exists(src):
             where = "" if os.path.isabs(src) else f" (relative to {os.getcwd()})"
             raise corpus_lib.CorpusError(f"data.{field}={src!r}: no such file or folder{where}")
         for path in corpus_lib.input_files(src) if src else []:
@@ -330,9 +330,11 @@ def _fresh_tmp(data_dir: str, *, shared: bool = False) -> str:
     if fs.is_remote(data_dir):
         if not shared:
             return tempfile.mkdtemp(prefix="realm-prepare-")
-        tmp = fs.join(data_dir, f".prepare-tmp-{os.getpid()}")
-        fs.rmtree(tmp)
-        return tmp
+        for name in fs.listdir(data_dir) if fs.isdir(data_dir) else []:
+            if name.startswith(".prepare-tmp-"):
+                print(f"removing {name}, left by an interrupted prepare")
+                fs.rmtree(fs.join(data_dir, name))
+        return fs.join(data_dir, f".prepare-tmp-{os.getpid()}")
     os.makedirs(data_dir, exist_ok=True)
     for name in os.listdir(data_dir):
         if name.startswith(".prepare-tmp-"):
@@ -434,17 +436,19 @@ def _build_beam(data, data_dir: str, stats, runner: str, options: str) -> tuple[
         raise PrepareError(
             f"data.engine=beam needs apache-beam ({e}): pip install -r requirements.txt"
         ) from e
-    tmp = _fresh_tmp(data_dir)
+    runner = beam_prepare.runner_name(runner or "DirectRunner")
+    beam_prepare.check_runner(data, runner, data_dir)  # before anything is made
+    # A gs:// data_dir is built in place (<data_dir>/.prepare-tmp-<pid>/): the workers write
+    # their shards there themselves, which is what lets a Dataflow job write at all.
+    tmp = _fresh_tmp(data_dir, shared=fs.is_remote(data_dir))
     try:
-        mode = beam_prepare.build(
-            data, tmp, stats, runner=runner or "DirectRunner", options=options
-        )
+        mode = beam_prepare.build(data, tmp, stats, runner=runner, options=options)
         if not stats["blocks"]:
             raise _no_blocks(data, stats)
         if not stats["examples"]:
             raise _no_examples(data, stats, stats["eval_examples"], mode)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        fs.rmtree(tmp)
         raise
     return tmp, mode
 
@@ -461,6 +465,8 @@ def choose_engine(data, beam_runner: str = "") -> str:
         return "beam"
     if data.sentences or os.path.isdir(data.corpus):
         return "local"  # the Beam path reads one line file (beam_prepare.supported)
+    if fs.is_remote(data.corpus):
+        return "beam"  # the in-process reader reads local files; Beam reads gs:// itself
     lines = _count_lines(data.corpus) or 0
     return "beam" if lines >= data.get("beam_min_passages", BEAM_MIN_PASSAGES) else "local"
 
