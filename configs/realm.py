@@ -117,8 +117,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.05  # share of titles (or doc ids) whose sentences are held out
     c.data.eval_split_key = "title"  # hold out by "title" (whole articles) or "doc_id"
     c.data.ner_processes = 1  # spaCy NER worker processes at prepare time (nlp.pipe n_process)
-    # prepare's engine: "local" (in process, the corpus in memory), "beam" (Apache Beam through
-    # TFDS, streaming; DirectRunner with a worker per core unless --beam_runner/--beam_options
+    # prepare's engine: "local" (in process, the corpus in memory), "beam" (Apache Beam,
+    # streaming; DirectRunner with a worker per core unless --beam_runner/--beam_options
     # name another, e.g. Dataflow: tpu/README.md) or "auto" (Beam from beam_min_passages lines)
     c.data.engine = "auto"  # "auto", "local" or "beam" (above)
     c.data.beam_min_passages = 50_000  # auto: corpus lines from which Beam prepares
