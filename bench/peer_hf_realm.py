@@ -47,6 +47,7 @@ NUM_BLOCKS = 4096  # realm-jax's device index (random embeddings); HF draws its 
 EMBED_LEN, EMBED_BATCH, EMBED_BLOCKS = 288, 64, 256
 CLS, SEP, MASK = 101, 102, 103
 HF_SIDE = os.path.join(BENCH, "peer_hf_side.py")
+REMAT_POLICIES = ("nothing", "dots")  # realm_jax/model/bert.py's, in report order
 
 
 # ----------------------------------------------------------------------- inputs
@@ -94,9 +95,10 @@ def write_inputs(path: str, batch: int, seed: int = 0) -> None:
 # ----------------------------------------------------------------------- the realm-jax side
 
 
-def jax_config(block_len: int, batch: int, remat: bool = False):
-    """configs/realm.py:small pinned to ARCH and the benchmark's lengths; remat: each
-    network's layers rematerialised in the backward pass (model.remat)."""
+def jax_config(block_len: int, batch: int, remat: str = ""):
+    """configs/realm.py:small pinned to ARCH and the benchmark's lengths; remat: a
+    model.remat_policy under which each network's layers are rematerialised in the backward
+    pass (model.remat), or "" for none."""
     from realm_jax.config import load_config
 
     over = [
@@ -110,7 +112,8 @@ def jax_config(block_len: int, batch: int, remat: bool = False):
         f"model.proj_dropout={ARCH['dropout']}",
         "model.share_embedders=False",
         "model.dtype=float32",
-        f"model.remat={remat}",
+        f"model.remat={bool(remat)}",
+        f"model.remat_policy={remat or 'nothing'}",
     ]
     for net in ("embedder", "reader"):
         for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "dropout"):
@@ -118,7 +121,7 @@ def jax_config(block_len: int, batch: int, remat: bool = False):
     return load_config(os.path.join(REPO, "configs/realm.py:small"), over)
 
 
-def jax_train(data: dict, reps: int, remat: bool = False) -> dict:
+def jax_train(data: dict, reps: int, remat: str = "") -> dict:
     """realm-jax's jitted REALM step (realm_jax/pretrain/step.py): embed queries, exact MIPS
     over the device index, re-embed the hits and the null document, read, fused marginal
     MLM loss, backward, clipped AdamW; timed reps times after compile + first step."""
@@ -182,7 +185,7 @@ def jax_embed(data: dict, reps: int) -> dict:
     return {"warmup_s": t["warmup_s"], "times": t["times"]}
 
 
-def jax_side(task: str, inputs: str, threads: int, reps: int, remat: bool = False) -> None:
+def jax_side(task: str, inputs: str, threads: int, reps: int, remat: str = "") -> None:
     """One realm-jax measurement in this process; prints `RESULT {json}`."""
     pin_threads(threads)
     import flax
@@ -236,11 +239,12 @@ def summarise(runs: dict, batch: int, embed_blocks: int) -> dict:
             "rsss": [r["peak_rss_gb"] for r in results],
             "warmup": spread([r["warmup_s"] for r in results]),
         }
-    for side, task in [(s, t) for s in ("jax", "jax-remat") for t in per]:
+    jax_sides = sorted({side for side, _ in out if side.startswith("jax")})
+    for side, task in [(s, t) for s in jax_sides for t in per]:
         j, h = out.get((side, task)), out.get(("hf", task))
         if j is None or h is None:
             continue
-        out[("ratio" if side == "jax" else "ratio-remat", task)] = {
+        out[("ratio" + side.removeprefix("jax"), task)] = {
             "speed": j["rate"]["median"] / h["rate"]["median"],
             "speed_pairs": spread([a / b for a, b in zip(j["rates"], h["rates"])]),
             "memory": h["rss"]["median"] / j["rss"]["median"],
@@ -273,12 +277,16 @@ def report_body(summary: dict, meta: dict) -> str:
             f"| {name}: compile + first call s (realm-jax) / first call s (HF) | "
             f"{_cell(j['warmup'], '.1f')} | {_cell(h['warmup'], '.1f')} | |",
         ]
-        jr, rr = summary.get(("jax-remat", task)), summary.get(("ratio-remat", task))
-        if jr is not None and rr is not None:
+        for policy in REMAT_POLICIES:
+            jr = summary.get((f"jax-remat-{policy}", task))
+            rr = summary.get((f"ratio-remat-{policy}", task))
+            if jr is None or rr is None:
+                continue
+            what = f"{name} with model.remat ({policy})"
             rows += [
-                f"| {name} with model.remat: {unit} | {_cell(jr['rate'], '.2f')} | "
+                f"| {what}: {unit} | {_cell(jr['rate'], '.2f')} | "
                 f"{_cell(h['rate'], '.2f')} | {_ratio(rr['speed'], rr['speed_pairs'])} |",
-                f"| {name} with model.remat: peak RSS GB | {_cell(jr['rss'], '.2f')} | "
+                f"| {what}: peak RSS GB | {_cell(jr['rss'], '.2f')} | "
                 f"{_cell(h['rss'], '.2f')} | {_ratio(rr['memory'], rr['memory_pairs'])} |",
             ]
     v = meta["versions"]
@@ -303,10 +311,12 @@ tokens, AdamW (lr 1e-4, weight decay 0.01 off LayerNorm and biases, eps 1e-6) af
 global-norm clipping at 1.0. Embedding: {EMBED_BLOCKS} blocks of {EMBED_LEN} tokens per \
 timed pass, batch {EMBED_BATCH}, inference. Identical synthetic token ids on both sides.
 
-The rows "with model.remat" are a third side, run in each round after HF's training step: \
+The rows "with model.remat" are further sides, run in each round after HF's training step: \
 realm-jax's same step with every network's layers rematerialised (one `lax.scan` per network \
-under `jax.checkpoint`, so the backward pass recomputes each layer and keeps only its input), \
-trading recomputation for activation memory; the other realm-jax rows run without it (the \
+under `jax.checkpoint`), trading recomputation for activation memory, under the \
+`model.remat_policy` named: `nothing` keeps only each layer's input and recomputes the whole \
+layer in the backward pass; `dots` also keeps the outputs of its weight matmuls and recomputes \
+only attention, activations and LayerNorms. The other realm-jax rows run without remat (the \
 `small` config's default).
 
 Each cell: the median over rounds (range); a round's throughput is its process's median timed \
@@ -358,11 +368,12 @@ def main() -> None:
     ap.add_argument("--task", choices=("train", "embed"), help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
-    ap.add_argument("--remat", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--remat", default="", help=argparse.SUPPRESS)  # a remat policy
     ap.add_argument(
-        "--no-remat-side",
-        action="store_true",
-        help="leave out the third side (realm-jax's training step with model.remat)",
+        "--remat-policies",
+        default="nothing,dots",
+        help="a realm-jax training side with model.remat per policy named (comma-separated; "
+        "'' for none)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per measurement")
     ap.add_argument("--steps", type=int, default=3, help="timed training steps per process")
@@ -406,16 +417,18 @@ def main() -> None:
     sides = {
         "jax": (sys.executable, os.path.abspath(__file__), ["--side", "jax"]),
         "hf": (args.peer_python, HF_SIDE, []),
-        "jax-remat": (sys.executable, os.path.abspath(__file__), ["--side", "jax", "--remat"]),
     }
-    if args.no_remat_side:
-        del sides["jax-remat"]
+    for policy in filter(None, args.remat_policies.split(",")):
+        if policy not in REMAT_POLICIES:
+            raise SystemExit(f"--remat-policies: {policy!r} is none of {', '.join(REMAT_POLICIES)}")
+        extra = ["--side", "jax", "--remat", policy]
+        sides[f"jax-remat-{policy}"] = (sys.executable, os.path.abspath(__file__), extra)
     with open(log_path, "a") as log:
         for r in range(args.rounds):
             for task in tasks:
                 reps = args.steps if task == "train" else args.embed_reps
                 for side, (python, script, extra) in sides.items():
-                    if side == "jax-remat" and task != "train":
+                    if side.startswith("jax-remat") and task != "train":
                         continue  # inference keeps no activations: remat changes nothing
                     side_args = [*extra, "--task", task, "--inputs", inputs]
                     side_args += ["--threads", str(threads), "--reps", str(reps)]

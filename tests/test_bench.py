@@ -50,6 +50,7 @@ def test_peer_summary_ratios_and_section_from_hand_figures():
         ("hf", "train"): [res([10.0], 15.0), res([16.0], 14.0)],
         ("jax", "embed"): [res([4.0], 1.0)],  # 256 blocks: 64 blocks/s
         ("hf", "embed"): [res([8.0], 0.5)],  # 32 blocks/s
+        ("jax-remat-dots", "train"): [res([4.0], 2.0), res([4.0], 2.0)],  # 2 ex/s
     }
     s = summarise(runs, batch=8, embed_blocks=256)
     assert s[("jax", "train")]["rate"] == {"median": 3.6, "min": 3.2, "max": 4.0}
@@ -74,5 +75,11 @@ def test_peer_summary_ratios_and_section_from_hand_figures():
     assert "| training step: examples/s | 3.60 (3.20-4.00) | 0.65 (0.50-0.80) | 5.54x" in body
     embed = "| document embedding: blocks/s | 64.00 (64.00-64.00) | 32.00 (32.00-32.00) | 2.00x"
     assert embed in body
+    # 2 / 0.65 = 3.08x; rounds 2 / 0.8 = 2.50 and 2 / 0.5 = 4.00; memory 14.5 / 2 = 7.25x
+    dots = "| training step with model.remat (dots): examples/s | 2.00 (2.00-2.00) | 0.65"
+    assert dots + " (0.50-0.80) | 3.08x (rounds 2.50-4.00) |" in body
+    assert "| training step with model.remat (dots): peak RSS GB | 2.00 (2.00-2.00)" in body
+    assert "| 7.25x (rounds 7.00-7.50) |" in body
+    assert "model.remat (nothing)" not in body  # no such side was run
     assert "torch T, transformers X" in body and "JAX J" in body
     assert "load average 0.5 at the start and 1.5 at the end" in body
