@@ -25,7 +25,7 @@ copied into the build folder, local or gs://; the driver then gives the shards T
 and writes dataset_info (finalize), so record i is block (or example) i, which the readers,
 the index and the trainer rely on. TFDS's own Beam writer is not used, on purpose: it writes
 its shards with array_record's local writer straight into the build folder (no gs://, so no
-Dataflow) and shuffles every record by a hash of its key.
+Dataflow), after a shuffle of every serialized record to order them by key.
 
 Memory: a worker holds one chunk of text and its blocks, one batch of sentences, or one shard,
 at a time; what crosses a shuffle or waits for a side input (the batches before their ids are
@@ -476,7 +476,7 @@ def _write_stats(stats, path: str) -> None:
 # TFDS gives the format (features, serializer, dataset_info); the records are written by the
 # pipeline itself, not by TFDS's Beam writer, on purpose: that writer opens array_record files
 # with array_record's own writer, which writes local files only (no gs:// build folder, so no
-# Dataflow), and shuffles every serialized record by a hash of its key. Here records travel in
+# Dataflow), after a shuffle of every serialized record to order them by key. Here records travel in
 # id-ordered batches; each shard is a fixed range of ids (data.beam_shard_records), written by
 # one worker to its local disk and copied to the build folder (a local folder or gs://) under a
 # name that carries its window, its place and its record count. The driver then renames the
@@ -568,10 +568,13 @@ def finalize(tmp: str, name: str, cls) -> int:
     dataset is left out, as TFDS cannot describe an empty one)."""
     folder = dataset_folder(tmp, name, cls)
     found = FileSystems.match([fs.join(folder, f"{_stem(cls)}-w*")])[0].metadata_list
-    shards = sorted(
-        (tuple(int(g) for g in PART.search(m.path).groups()), m.path, m.size_in_bytes)
-        for m in found
-    )
+    shards = []
+    for m in found:
+        part = PART.search(m.path)
+        if part is None:  # only WriteShard writes here: anything else is not ours to publish
+            raise RuntimeError(f"{m.path}: not a shard this prepare wrote")
+        shards.append((tuple(int(g) for g in part.groups()), m.path, m.size_in_bytes))
+    shards.sort()
     if not shards:
         return 0
     total, lengths = len(shards), [n for (_, _, n), _, _ in shards]
