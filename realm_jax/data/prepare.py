@@ -18,9 +18,10 @@ Layout of a prepared data_dir:
                                              corpus (retrieval may find them)
   <data_dir>/summary.json                    counts, fingerprint, config; written LAST: a folder
                                              without it is incomplete and loaders refuse it.
-Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end; for a
-gs:// data_dir they are built in a local temp folder and uploaded, summary.json (listing every
-dataset file and its size) last.
+Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end. For a
+gs:// data_dir the in-process path builds them in a local temp folder and uploads them, the
+Beam path's workers write them into <data_dir>/.prepare-tmp-<pid>/ there, and they are copied
+into place; summary.json (listing every dataset file and its size) goes last.
 Readers open a dataset folder directly (`tfds.builder_from_directory(...).as_data_source()`,
 the same ArrayRecord data source `tfds.data_source` returns, without a registered name).
 """
