@@ -47,7 +47,9 @@ NUM_BLOCKS = 4096  # realm-jax's device index (random embeddings); HF draws its 
 EMBED_LEN, EMBED_BATCH, EMBED_BLOCKS = 288, 64, 256
 CLS, SEP, MASK = 101, 102, 103
 HF_SIDE = os.path.join(BENCH, "peer_hf_side.py")
-REMAT_POLICIES = ("nothing", "dots")  # realm_jax/model/bert.py's, in report order
+# realm_jax/model/bert.py's REMAT_POLICIES, in report order; named here, not imported, so that
+# a side pins its threads before anything imports JAX.
+REMAT_POLICIES = ("nothing", "dots")
 
 
 # ----------------------------------------------------------------------- inputs

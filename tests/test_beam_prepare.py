@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("apache_beam")
 
-from realm_jax import cli  # noqa: E402
+from realm_jax import cli, fs  # noqa: E402
 from realm_jax.data import corpus, prepared  # noqa: E402
 from realm_jax.data import prepare as P  # noqa: E402
 from tests.test_data import SAMPLE, _config  # noqa: E402
@@ -28,7 +28,7 @@ def _records(d):
     """Every record of the three datasets, by dataset name (eval_examples may be absent)."""
     out = {"blocks": [prepared.blocks_source(d)[i] for i in range(len(prepared.blocks_source(d)))]}
     for split, name in (("train", "examples"), ("eval", "eval_examples")):
-        if os.path.isdir(os.path.join(d, name)):
+        if fs.isdir(fs.join(d, name)):  # d may be gs:// (tests/test_gcs.py)
             src = prepared.examples_source(d, split)
             out[name] = [src[i] for i in range(len(src))]
     return out

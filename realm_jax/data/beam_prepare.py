@@ -671,13 +671,13 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
     """Build blocks/, examples/ and eval_examples/ under tmp, a local folder or gs:// (one
     dataset missing when it would be empty; prepare.py explains); fills stats as the
     in-process path does; returns the effective masking mode. Bad input raises the in-process
-    path's CorpusError."""
+    path's CorpusError. The caller has checked the runner against the data_dir (check_runner)
+    before making tmp."""
     why = supported(data)
     if why:
         raise PrepareError(f"data.engine='beam': {why}; use --config.data.engine=local")
     opts = _Opts({k: data[k] for k in OPT_FIELDS})
     options, runner = options or default_options(), runner_name(runner)
-    check_runner(data, runner, tmp)  # prepare checks it first, against the data_dir
     logging.getLogger("apache_beam").setLevel(logging.WARNING)  # per-stage INFO chatter
     pipe_opts = beam.options.pipeline_options.PipelineOptions(shlex.split(options))
     work = fs.join(tmp, "beam")  # scratch: the scan's result, sentence tables, stats
@@ -685,7 +685,8 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
     t0 = time.time()
     plan = check_scan(opts, scan(opts, runner, pipe_opts, fs.join(work, "scan.json")), stats)
     print(f"prepare on Apache Beam: scan pipeline took {time.time() - t0:.1f}s")
-    wins = windows(len(plan["first_line"]) - 1, opts.beam_chunk_kb, data.beam_window_kb, runner)
+    num_chunks = len(plan["first_line"]) - 1
+    wins = windows(num_chunks, opts.beam_chunk_kb, data.beam_window_kb, runner)
     names = ["blocks", "eval_examples", "examples"]
     # Ids of the windows before: blocks, sentences (the random-masking seed), examples by split.
     plan["base"] = dict.fromkeys([*names, SENTENCES], 0)
@@ -712,7 +713,7 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
         plan["base"][SENTENCES] += made.get(SENTENCES, 0)
         if len(wins) > 1:
             done, spent = chunks[-1] + 1, time.time() - t_start
-            eta = spent / done * (len(plan["first_line"]) - 1 - done)
+            eta = spent / done * (num_chunks - done)
             print(
                 f"prepare on Apache Beam: {where}{plan['base']['blocks']:,} blocks so far, "
                 f"{spent:.0f}s, ETA {eta:.0f}s"

@@ -325,24 +325,19 @@ def fingerprint(data) -> str:
 
 def _fresh_tmp(data_dir: str, *, shared: bool = False) -> str:
     """An empty build folder; leftovers of interrupted prepares are removed first. For an
-    object-store data_dir (gs://) a local temp folder (TFDS's array_record writer writes local
-    files, and _publish uploads them), unless `shared`: a build on other machines (Beam on
-    Dataflow) writes into <data_dir>/.prepare-tmp-<pid>/ there, and _publish copies it."""
-    if fs.is_remote(data_dir):
-        if not shared:
-            return tempfile.mkdtemp(prefix="realm-prepare-")
-        for name in fs.listdir(data_dir) if fs.isdir(data_dir) else []:
-            if name.startswith(".prepare-tmp-"):
-                print(f"removing {name}, left by an interrupted prepare")
-                fs.rmtree(fs.join(data_dir, name))
-        return fs.join(data_dir, f".prepare-tmp-{os.getpid()}")
-    os.makedirs(data_dir, exist_ok=True)
-    for name in os.listdir(data_dir):
+    object-store data_dir (gs://) a local temp folder (the in-process path's array_record
+    writer writes local files, and _publish uploads them), unless `shared`: a build on other
+    machines (Beam's workers) writes into <data_dir>/.prepare-tmp-<pid>/ there, and _publish
+    copies it."""
+    if fs.is_remote(data_dir) and not shared:
+        return tempfile.mkdtemp(prefix="realm-prepare-")
+    fs.makedirs(data_dir)
+    for name in fs.listdir(data_dir):
         if name.startswith(".prepare-tmp-"):
             print(f"removing {name}, left by an interrupted prepare")
-            shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
-    tmp = os.path.join(data_dir, f".prepare-tmp-{os.getpid()}")
-    os.makedirs(tmp)
+            fs.rmtree(fs.join(data_dir, name))
+    tmp = fs.join(data_dir, f".prepare-tmp-{os.getpid()}")
+    fs.makedirs(tmp)
     return tmp
 
 
