@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
-.PHONY: venv test test-slow smoke lint format bench clean squad-qa peer-bench drills plan
+.PHONY: venv test test-slow smoke lint format bench clean squad-qa peer-bench drills plan \
+	pod-rehearsal
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +67,14 @@ bench: $(STAMP)
 # DRILLS_ARGS="--quick" for a few minutes' check (it leaves the doc alone).
 drills: $(STAMP)
 	$(PY) bench/drills.py $(DRILLS_ARGS)
+
+# The pod rehearsal (docs/reliability.md, "Pod rehearsal"): the chain prepare -> ICT -> REALM
+# with its refresh job -> finetune -> evaluate -> ask as 2 jax.distributed processes x 2 fake
+# CPU devices on gs:// (fake-gcs-server, installed by requirements.txt, started on a free
+# loopback port), with kill -9 and a resume on another process count, every stage compared
+# with one process on local disk. REHEARSAL_ARGS="--quick" for the short chain make test runs.
+pod-rehearsal: $(STAMP)
+	$(PY) bench/pod_rehearsal.py $(REHEARSAL_ARGS)
 
 # The peer benchmark (docs/benchmarks.md): HuggingFace transformers' REALM in its own venv.
 # torch is pinned to the CPU wheel and installed before transformers, so nothing pulls a

@@ -9,36 +9,13 @@ the ones the runs logged, never typed by hand:
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import os
 import shlex
-import struct
 import sys
 
-from tensorboardX.proto import event_pb2
+from realm_jax.train.metrics import read_scalars  # noqa: E402
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
-
-
-def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} from every event file under WORKDIR/tb (the newest value of a
-    (tag, step) wins: a resumed run rewrites its steps). TFRecord framing: u64 length,
-    u32 crc, payload, u32 crc."""
-    out: dict[str, dict[int, float]] = collections.defaultdict(dict)
-    files = sorted(glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*")))
-    if not files:
-        raise FileNotFoundError(f"no TensorBoard event files in {workdir}/tb")
-    for path in files:
-        with open(path, "rb") as f:
-            while header := f.read(12):
-                (n,) = struct.unpack("<Q", header[:8])
-                data = f.read(n)
-                f.read(4)
-                ev = event_pb2.Event.FromString(data)
-                for v in ev.summary.value:
-                    out[v.tag][int(ev.step)] = float(v.simple_value)
-    return dict(out)
 
 
 def _table(scalars, tags: list[tuple[str, str]]) -> list[str]:

@@ -11,23 +11,32 @@ reference result in docs/results.md: SQuAD questions split by held-out article, 
 from the squad pre-training recipe's REALM workdir).
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
+from realm_jax import config as config_lib
 
-def _realm_config(variant: str) -> ml_collections.ConfigDict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "realm.py")
-    spec = importlib.util.spec_from_file_location("realm_jax_configs_realm", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
+# train.* fields taken from configs/realm.py's variant on purpose (tests/test_configs.py fails
+# on any other inherited train field): the same AdamW and loop settings as pre-training.
+INHERITED = (
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.adam_b1",
+    "train.adam_b2",
+    "train.adam_eps",
+    "train.seed",
+    "train.keep_checkpoints",
+    "train.preemption_save",
+    "train.max_nonfinite",
+    "train.record_example_ids",
+    "train.num_candidates",  # REALM's; fine-tuning reads qa.* beams instead
+    "train.mlm_vocab_chunk",  # REALM's MLM head; fine-tuning has none
+)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = arg or "smoke"
-    c = _realm_config(variant)  # unknown variants are rejected there
+    # configs/realm.py's variant (an unknown variant is rejected there)
+    c = config_lib.sibling_config(__file__, "realm.py", variant)
     c.task = "qa"  # what `train` runs (the same as `finetune`)
     q = c.qa = ml_collections.ConfigDict()
     sample = variant == "smoke"

@@ -177,6 +177,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.refresh.embed_batch_size = 64 if variant == "smoke" else 512  # blocks per embedding call
     c.refresh.poll_seconds = 2.0  # how often the refresher looks for a new checkpoint
     c.refresh.wait_seconds = 600.0  # trainer wait for the first index before giving up
+    # external: at every refresh.every steps the trainer waits for the index of that very
+    # checkpoint (the refresh job embeds on other devices while the trainer stalls): the steps
+    # equal inprocess mode's, staleness stays below refresh.every. False: the paper's
+    # asynchronous refresh, the newest published version taken every check_every steps.
+    c.refresh.lockstep = False  # needs train.checkpoint_every to divide refresh.every
     c.refresh.build_scann = True  # also serialise a ScaNN searcher with every index
     c.refresh.scann_num_leaves = -1  # -1 = about sqrt(num_blocks)
     c.refresh.scann_leaves_to_search = -1  # -1 = about 5% of leaves (at least 10)

@@ -272,17 +272,33 @@ def everywhere(ok: bool) -> bool:
     return bool(multihost_utils.process_allgather(np.array(ok)).all())
 
 
+def _mismatch(error: BaseException) -> CheckpointMismatch | None:
+    """The CheckpointMismatch that `error` is or was raised from (`raise ... from`: orbax may
+    wrap what a handler raised), else None."""
+    for _ in range(20):
+        if error is None or isinstance(error, CheckpointMismatch):
+            return error
+        error = error.__cause__
+    return None
+
+
 def try_restore(fn: Callable[..., Any], *args) -> tuple[Any, str | None]:
     """(fn(*args), None), or (None, a one-line reason) when it raised here or on another
-    process; run with orbax's, tensorstore's and asyncio's reports of the failure silenced."""
+    process; run with orbax's, tensorstore's and asyncio's reports of the failure silenced.
+
+    A CheckpointMismatch raised by the restore (e.g. the data iterator's state saved for
+    another data order) is raised again, after every process has taken part in the check that
+    keeps them together: a checkpoint of another config is not damage."""
     _install_debris_filters()
-    result, reason = None, None
+    result, reason, mismatch = None, None, None
     with _quiet_logs():
         try:
             result = fn(*args)
         except Exception as e:  # orbax/tensorstore raise various types for damaged files
-            reason = _reason(e)
+            reason, mismatch = _reason(e), _mismatch(e)
     if not everywhere(reason is None):
+        if mismatch is not None:
+            raise mismatch
         return None, reason or "it failed on another process"
     return result, None
 
@@ -322,9 +338,11 @@ def restore_latest(mgr, abstract_state, data_restore_args_fn=None, *, fingerprin
     """(step, state) from the newest checkpoint that restores; None when there is none.
 
     With a `fingerprint`, each checkpoint's is compared before it is restored: a difference is
-    a CheckpointMismatch. A damaged checkpoint (truncated, zero-filled or missing files) is
-    reported in one line and the next older one is tried; the damaged ones newer than the one
-    restored are then moved aside (set_aside). When none restores, nothing is moved.
+    a CheckpointMismatch, as is one the restore itself finds (try_restore: e.g. a data iterator
+    saved for another data order); neither moves anything. A damaged checkpoint (truncated,
+    zero-filled or missing files) is reported in one line and the next older one is tried; the
+    damaged ones newer than the one restored are then moved aside (set_aside). When none
+    restores, nothing is moved.
     """
     steps = sorted(mgr.all_steps(), reverse=True)
     failed = []

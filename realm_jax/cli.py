@@ -257,6 +257,7 @@ EXPECTED_ERRORS = (
     "realm_jax.qa.answers:QAFormatError",  # a QA question file that cannot be read
     "realm_jax.checkpoint:NoRestorableCheckpoint",  # every checkpoint of the workdir damaged
     "realm_jax.plan:PlanError",  # a slice the config does not fit or cannot run on
+    "realm_jax.fs:StorageError",  # a gs:// bucket that is missing, forbidden or unreachable
 )
 # ValueError and FileNotFoundError are expected too when realm_jax's own code raised them (its
 # validation: "--top_k must be at least 1", "no checkpoint in ..."); raised inside a library
@@ -320,6 +321,9 @@ def _run(args, overrides: list[str]) -> int:
         return command(args, overrides)
     config = load_config(args.config, overrides)
     validate(config)  # every value, before any work
+    from realm_jax import fs
+
+    fs.check_buckets([args.workdir, *fs.urls_in(config.to_dict())])  # every gs:// bucket named
     module, function = entry_point(args.command, config).split(":")
     from realm_jax import runtime
 

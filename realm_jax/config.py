@@ -49,6 +49,13 @@ def _load_module(path: str):
     return module
 
 
+def sibling_config(config_file: str, name: str, arg: str | None) -> ml_collections.ConfigDict:
+    """get_config(arg) of the config file `name` beside `config_file`: a task's config
+    (configs/ict.py, configs/orqa.py) builds on configs/realm.py's variant this way."""
+    here = os.path.dirname(os.path.abspath(config_file))
+    return _load_module(os.path.join(here, name)).get_config(arg)
+
+
 def split_spec(spec: str) -> tuple[str, str | None]:
     """'configs/realm.py:smoke' -> ('configs/realm.py', 'smoke')."""
     path, _, arg = spec.partition(":")
@@ -311,6 +318,20 @@ def _length_problems(config) -> list[str]:
     return out
 
 
+def _lockstep_problems(config) -> list[str]:
+    """A lockstep refresh waits at every refresh.every steps for that step's checkpoint."""
+    lockstep, mode = _get(config, "refresh.lockstep"), _get(config, "refresh.mode")
+    every, ckpt = _get(config, "refresh.every"), _get(config, "train.checkpoint_every")
+    if lockstep is not True or mode != "external" or _get(config, "task") != "realm":
+        return []
+    if _MISSING in (every, ckpt) or every < 1 or ckpt < 1 or every % ckpt == 0:
+        return []
+    return [
+        f"refresh.lockstep=True needs train.checkpoint_every ({ckpt}) to divide refresh.every "
+        f"({every}): the trainer waits at every refresh.every steps for that step's index"
+    ]
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Check the config's values before any work (the CLI calls this after loading): a
     ConfigError naming each bad field, its value and what is allowed. Checks that need the
@@ -338,6 +359,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
             problems.append(
                 f"model.{part}.hidden_size={h}: must be divisible by model.{part}.num_heads ({n})"
             )
-    problems += _mesh_problems(config) + _length_problems(config)
+    problems += _mesh_problems(config) + _length_problems(config) + _lockstep_problems(config)
     if problems:
         raise ConfigError("; ".join(problems))

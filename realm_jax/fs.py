@@ -10,11 +10,14 @@ rename of a folder, flock) is handled by the callers' protocols: a commit marker
 from __future__ import annotations
 
 import builtins
+import contextlib
+import errno
+import logging
 import os
 import posixpath
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO
 
 import fsspec
@@ -23,6 +26,12 @@ from etils import epath
 # gcsfs caches folder listings for the life of the process by default: a trainer polling
 # index/ would never see the refresher's new versions. Each listing is asked afresh.
 fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
+# fsspec logs its read-ahead cache at INFO for every remote file opened: not a run's news.
+logging.getLogger("fsspec.caching").setLevel(logging.WARNING)
+
+
+class StorageError(RuntimeError):
+    """An object store that cannot be used as given: no such bucket, no access, unreachable."""
 
 
 def is_remote(path: str) -> bool:
@@ -236,3 +245,146 @@ def download_tree(src_root: str, local_root: str, rels: list[str]) -> None:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with open(join(src_root, *rel.split("/")), "rb") as src, builtins.open(dest, "wb") as out:
             shutil.copyfileobj(src, out, 1 << 22)
+
+
+# ------------------------------------------------------------------- buckets, local caches
+
+_BUCKETS_OK: set[str] = set()  # gs:// buckets this process has reached
+BUCKET_TIMEOUT_S = 20.0
+
+
+def bucket_of(path: str) -> str | None:
+    """The bucket of a gs:// URL ("gs://b/x" -> "b"); None for anything else."""
+    p = os.fspath(path)
+    return p.removeprefix("gs://").partition("/")[0] if p.startswith("gs://") else None
+
+
+def urls_in(tree) -> list[str]:
+    """Every gs:// string in a nested dict/list/tuple (a config's paths), in order."""
+    if isinstance(tree, str):
+        return [tree] if tree.startswith("gs://") else []
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, list | tuple):
+        return [url for item in tree for url in urls_in(item)]
+    return []
+
+
+def check_buckets(paths: Iterable[str]) -> None:
+    """A StorageError naming the path unless the bucket of every gs:// path exists and lets
+    this process list it (once per bucket and process): a missing bucket otherwise looks like
+    an empty folder, and an unreachable store costs gcsfs a minute of retries per call."""
+    for path in paths:
+        name = bucket_of(path or "")
+        if name is None or name in _BUCKETS_OK:
+            continue
+        _probe_bucket(name, path)
+        _BUCKETS_OK.add(name)
+
+
+def _probe_bucket(name: str, path: str) -> None:
+    """One object listing of the bucket, retried only on the store's own transient errors
+    (429, 5xx): a refused or timed-out connection fails at once."""
+    from google.api_core import exceptions, retry
+    from google.auth.exceptions import DefaultCredentialsError, GoogleAuthError
+    from google.cloud import storage
+
+    if not name:
+        raise StorageError(f"{path}: no bucket name (expected gs://BUCKET/FOLDER)")
+    transient = retry.if_exception_type(exceptions.TooManyRequests, exceptions.ServerError)
+    try:
+        blobs = storage.Client().list_blobs(
+            name,
+            max_results=1,
+            timeout=BUCKET_TIMEOUT_S,
+            retry=retry.Retry(predicate=transient, timeout=BUCKET_TIMEOUT_S),
+        )
+        list(blobs)
+    except exceptions.NotFound:
+        raise StorageError(f"{path}: bucket gs://{name} does not exist") from None
+    except exceptions.BadRequest as e:
+        raise StorageError(
+            f"{path}: gs://{name} is not a usable bucket ({_first_line(e)})"
+        ) from None
+    except (exceptions.Forbidden, exceptions.Unauthorized) as e:
+        raise StorageError(
+            f"{path}: no access to bucket gs://{name} ({_first_line(e)}); check the "
+            "account's storage permissions"
+        ) from None
+    except DefaultCredentialsError:
+        raise StorageError(
+            f"{path}: no Google Cloud credentials to reach gs://{name} (on a workstation: "
+            "gcloud auth application-default login)"
+        ) from None
+    except GoogleAuthError as e:
+        raise StorageError(
+            f"{path}: cannot authenticate to gs://{name}: {_first_line(e)}"
+        ) from None
+    except (OSError, exceptions.GoogleAPIError) as e:  # requests' errors are OSErrors
+        raise StorageError(f"{path}: cannot reach gs://{name}: {_first_line(e)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text[:300] or type(error).__name__
+
+
+def cache_root() -> str:
+    """Where remote inputs that must be read locally (prepared datasets, HF weight folders)
+    are copied: $REALM_JAX_CACHE, else ~/.cache/realm-jax."""
+    return os.environ.get("REALM_JAX_CACHE") or os.path.expanduser("~/.cache/realm-jax")
+
+
+COMPLETE = ".complete"  # written into a cached copy before it is renamed into place
+
+
+def cached_copy(src_root: str, files: dict[str, int], local: str) -> str:
+    """`local`, a verified local copy of `files` ({relative path: size}) under src_root.
+
+    Downloaded once per host: into a private temp folder, every size checked, the COMPLETE
+    marker written, then renamed to `local` in one step, so a folder at `local` is always
+    whole. Processes racing on the same host each download; the first rename wins and the
+    others use its copy. A `local` that does not verify (an older layout's folder without the
+    marker, a file truncated since) is moved aside and replaced."""
+    if _verified(local, files):
+        return local
+    parent = os.path.dirname(local)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{local}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        download_tree(src_root, tmp, sorted(files))
+        for rel, want in files.items():
+            got = os.path.getsize(os.path.join(tmp, *rel.split("/")))
+            if got != want:
+                raise StorageError(
+                    f"{join(src_root, rel)} has {got} bytes, expected {want}: it changed "
+                    "while it was copied; try again"
+                )
+        write_text(os.path.join(tmp, COMPLETE), src_root + "\n")
+        if os.path.isdir(local) and not _verified(local, files):  # unfinished or damaged
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                os.rename(local, f"{local}.stale-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.rename(tmp, local)
+        except OSError as e:  # another process renamed its copy first
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not _verified(local, files):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name in os.listdir(parent):
+            if name.startswith(os.path.basename(local) + ".stale-"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    return local
+
+
+def _verified(local: str, files: dict[str, int]) -> bool:
+    """Whether `local` is a complete copy: the marker, and every file with its size."""
+    if not os.path.exists(os.path.join(local, COMPLETE)):
+        return False
+    for rel, want in files.items():
+        try:
+            if os.path.getsize(os.path.join(local, *rel.split("/"))) != want:
+                return False
+        except FileNotFoundError:
+            return False
+    return True

@@ -9,10 +9,13 @@ An object store (gs://) has no flock: there the lock is a lease object <workdir>
 holding the holder's info and an expiry, LEASE_SECONDS ahead, that a background thread renews
 every RENEW_SECONDS. A second process is refused while the lease is fresh and takes it over
 once it has expired (a killed holder stops renewing). Every write and the release carry a GCS
-generation-match precondition, so of two processes racing for a free lease one wins and the
-other gets LockError, and a holder that lost its lease (it could not renew in time and
-another took it) finds out at its next renewal and says so in an error line. Expiry compares
-wall clocks of different hosts: skew well under LEASE_SECONDS is assumed.
+generation-match precondition, so of two processes racing for a free (or expired) lease one
+wins and the other gets LockError, and a holder that lost its lease (it could not renew in
+time and another took it) finds out at its next renewal and says so in an error line. Each
+lease object carries its writer's random token: a write whose precondition fails only because
+the client retried it after it had landed (a lost response) is recognised as ours, not as a
+lost lease. Expiry compares wall clocks of different hosts: skew well under LEASE_SECONDS is
+assumed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -123,7 +127,8 @@ def _describe(info: dict) -> str:
 
 class ObjectLease:
     """A lease object on GCS (google-cloud-storage, which honours STORAGE_EMULATOR_HOST):
-    holder info + expiry, written only with a generation-match precondition."""
+    holder info + expiry + this lease's token, written only with a generation-match
+    precondition (a multipart upload: the whole object in one request)."""
 
     def __init__(self, url: str, role: str, ttl: float = LEASE_SECONDS):
         from google.cloud import storage  # lazy: only object-store workdirs need it
@@ -134,35 +139,64 @@ class ObjectLease:
         self.url, self.role, self.ttl = url, role, ttl
         self.bucket = storage.Client().bucket(bucket)
         self.generation: int | None = None  # of our last write; None while not held
+        self.token = secrets.token_hex(16)  # tells our writes from any other holder's
 
     def _write(self, if_generation_match: int) -> None:
+        """Write the lease if the object is still at `if_generation_match` (0: absent);
+        PreconditionFailed when another process wrote or deleted it since."""
+        from google.api_core import exceptions
+
         info = {**_holder_info(), "expires": time.time() + self.ttl, "role": self.role}
         blob = self.bucket.blob(self.name)
-        blob.upload_from_string(
-            json.dumps(info),
-            content_type="application/json",
-            if_generation_match=if_generation_match,
-        )
+        try:
+            blob.upload_from_string(
+                json.dumps({**info, "token": self.token}),
+                content_type="application/json",
+                if_generation_match=if_generation_match,
+            )
+        except exceptions.PreconditionFailed:
+            # google-cloud-storage retries a conditional upload after a timeout or a 5xx; if
+            # the first attempt had landed, the retry fails its precondition on our own write.
+            current = self._current()
+            if current is None or current[1].get("token") != self.token:
+                raise
+            self.generation = current[0]
+            return
         self.generation = blob.generation
+
+    def _current(self) -> tuple[int, dict] | None:
+        """(generation, content) of the lease object now; None when there is none. Content
+        that is not a JSON object reads as {}."""
+        from google.api_core import exceptions
+
+        blob = self.bucket.get_blob(self.name)
+        if blob is None:
+            return None
+        try:
+            info = json.loads(blob.download_as_bytes(if_generation_match=blob.generation))
+        except exceptions.NotFound:
+            return None
+        except (ValueError, exceptions.PreconditionFailed):
+            info = {}  # unreadable, or rewritten meanwhile: a write's precondition decides
+        return blob.generation, info if isinstance(info, dict) else {}
 
     def acquire(self) -> None:
         """Take the lease; LockError while another holder's is fresh, or when another
         process takes it between our read and our write."""
         from google.api_core import exceptions
 
-        blob = self.bucket.get_blob(self.name)
-        if blob is not None:
-            try:
-                info = json.loads(blob.download_as_bytes(if_generation_match=blob.generation))
-            except (ValueError, exceptions.PreconditionFailed):
-                info = {}  # unreadable, or rewritten meanwhile: the write below decides
+        current = self._current()
+        if current is not None:
+            info = current[1]
             if float(info.get("expires", 0)) > time.time():
                 raise LockError(
                     f"workdir lease {self.url} is held by another {self.role} "
                     f"({_describe(info)}); stop it first, or use another --workdir"
                 )
         try:
-            self._write(blob.generation if blob is not None else 0)
+            # Only if nobody wrote since we read: of two processes that both saw the lease
+            # free or expired, one write lands, the other fails its precondition.
+            self._write(current[0] if current is not None else 0)
         except exceptions.PreconditionFailed:
             raise LockError(
                 f"workdir lease {self.url} was just taken by another {self.role}; "
@@ -170,9 +204,12 @@ class ObjectLease:
             ) from None
 
     def renew(self) -> bool:
-        """Extend the lease; False when it was lost (another process holds it now)."""
+        """Extend the lease; False when it was lost (another process holds it now) or is not
+        held (never a write without a precondition)."""
         from google.api_core import exceptions
 
+        if self.generation is None:
+            return False
         try:
             self._write(self.generation)
             return True
@@ -181,13 +218,18 @@ class ObjectLease:
             return False
 
     def release(self) -> None:
-        """Delete the lease, unless another process holds it by now."""
+        """Delete the lease, unless another process holds it by now. The delete carries the
+        generation precondition; the generation is also compared first, for servers that
+        ignore preconditions on DELETE (fake-gcs-server does), where the window for deleting
+        another's lease is then the gap between the two requests."""
         from google.api_core import exceptions
 
         if self.generation is None:
             return
         try:
-            self.bucket.blob(self.name).delete(if_generation_match=self.generation)
+            blob = self.bucket.get_blob(self.name)
+            if blob is not None and blob.generation == self.generation:
+                blob.delete(if_generation_match=self.generation)
         except (exceptions.NotFound, exceptions.PreconditionFailed):
             pass
         self.generation = None

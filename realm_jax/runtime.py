@@ -1,4 +1,19 @@
-"""Process set-up before any JAX work: logging, fake CPU devices, jax.distributed."""
+"""Process set-up before any JAX work: logging, fake CPU devices, jax.distributed.
+
+A multi-process job (a pod, or `--coordinator` on one machine) must not outlive the loss of one
+of its processes: the survivors would wait in their next collective for a peer that never comes
+(measured: a gloo all-reduce waited over 240 s and would have waited on). JAX's coordination
+service, which process 0 hosts, bounds it: every process sends it heartbeats, and when one has
+been silent for `heartbeat_timeout_seconds` the service reports the error to every other
+process, whose JAX client ends it (SIGABRT, exit status 134) after one log line,
+`F... client.h:80] Terminating process because the JAX distributed service detected fatal
+errors. This most likely indicates that another task died; ...` naming the dead task. When
+process 0 dies the others lose the service itself and stop the same way, at once on one
+machine, within the heartbeat timeout across hosts. JAX's default is 100 s; `setup` passes
+HEARTBEAT_TIMEOUT_S (REALM_JAX_HEARTBEAT_TIMEOUT overrides it), so a survivor stops within
+that many seconds plus a few. Relaunching every process resumes from the newest complete
+checkpoint (docs/reliability.md, "When a process of a multi-process job dies").
+"""
 
 from __future__ import annotations
 
@@ -6,6 +21,26 @@ import logging
 import os
 
 NOISY_LOGGERS = ("absl", "orbax", "jax._src", "tensorflow_datasets", "bm25s")
+
+# Seconds without a heartbeat before the coordination service declares a process dead and
+# stops the whole job (JAX's default: 100). The heartbeats come from a JAX client thread, so a
+# long compile or a slow Python step does not delay them; too short a timeout would end a
+# healthy job on a host or network stalled that long.
+HEARTBEAT_TIMEOUT_S = 30
+HEARTBEAT_TIMEOUT_ENV = "REALM_JAX_HEARTBEAT_TIMEOUT"
+
+log = logging.getLogger("realm_jax.runtime")
+
+
+def heartbeat_timeout() -> int:
+    """jax.distributed's heartbeat timeout in seconds: $REALM_JAX_HEARTBEAT_TIMEOUT (a whole
+    number >= 1) when set, else HEARTBEAT_TIMEOUT_S."""
+    raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return HEARTBEAT_TIMEOUT_S
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={raw!r}: must be a whole number of seconds >= 1")
+    return int(raw)
 
 
 def setup(args) -> None:
@@ -26,9 +61,58 @@ def setup(args) -> None:
     if args.coordinator or args.multihost:
         import jax
 
+        timeout = heartbeat_timeout()
         if args.coordinator:
             if jax.config.jax_platforms in (None, "", "cpu") or args.cpu_devices:
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+            jax.distributed.initialize(
+                args.coordinator,
+                args.num_processes,
+                args.process_id,
+                heartbeat_timeout_seconds=timeout,
+            )
         else:
-            jax.distributed.initialize()
+            jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
+        log.info(
+            "jax.distributed: if a process of this job dies, the others stop within about "
+            "%d s (%s=%d): then relaunch them all; training resumes from the newest checkpoint",
+            timeout + 5,
+            HEARTBEAT_TIMEOUT_ENV,
+            timeout,
+        )
+
+
+# What the error of a collective says when a process at its other end is gone or stalled:
+# gloo's TCP pairs on CPU (a killed peer resets the connection; a new communicator waits 30 s
+# for a peer's address), the coordination service's RPCs when process 0 is gone.
+PEER_LOST_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Gloo context initialization failed",
+    "Socket closed",
+    "heartbeat",
+)
+
+
+def peer_lost_message(error: BaseException) -> str | None:
+    """One line for a multi-process job whose collective failed because another process is
+    gone or stalled (None in a one-process job, or when the error does not look like that).
+    The loop logs it before the traceback, so the first error of the log says what happened;
+    when a process died, JAX's coordination service then ends this one within the heartbeat
+    timeout (at exit, JAX waits for the others at a shutdown barrier until it does)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    text = str(error)
+    if not any(marker in text for marker in PEER_LOST_MARKERS):
+        return None
+    first = " ".join(text.split())[:200]
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: a collective with the other "
+        f"processes failed ({type(error).__name__}: {first}): another process of this job has "
+        f"died or stalled, and this one stops too (if one died, JAX's coordination service "
+        f"ends every other within {heartbeat_timeout()} s). Relaunch every process: training "
+        "resumes from the newest checkpoint"
+    )

@@ -7,10 +7,12 @@ document index (embeddings and tokens) is sharded by rows over *every* device of
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import numpy as np
 from flax import linen as nn
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -81,7 +83,10 @@ def check_batch(batch_size: int, mesh: Mesh, field: str = "train.batch_size") ->
             f"{tuple(mesh.shape.values())}); change {field} or mesh.shape"
         )
     if batch_size % jax.process_count():
-        raise MeshError(f"{field} {batch_size} is not divisible by {jax.process_count()} processes")
+        raise MeshError(
+            f"{field} {batch_size} is not divisible by the job's {jax.process_count()} "
+            f"processes (each reads an equal share); change {field} or the process count"
+        )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -165,6 +170,56 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     """Process-local batch shards -> global arrays sharded on 'data'."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def _spans_every_process(x: jax.Array) -> bool:
+    return len({d.process_index for d in x.sharding.device_set}) == jax.process_count()
+
+
+def _leaf_to_host(x) -> np.ndarray:
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated and x.sharding.has_addressable_devices:
+        return np.asarray(x.addressable_data(0))
+    if not _spans_every_process(x):  # a partial gather would leave the others waiting forever
+        raise ValueError(
+            f"to_host: an array {x.shape} on devices of some processes but not all "
+            f"({x.sharding}); put it on this process's devices or on a mesh over all of them"
+        )
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def to_host(tree: Any) -> Any:
+    """The whole (global) value of every array in `tree`, as numpy, on every process.
+
+    `jax.device_get` (and `np.asarray`) of an array sharded over devices of other processes
+    raises "spans non-addressable devices" on a pod: this works on one process and on many.
+    A fully addressable array is fetched (`device_get`), a fully replicated one is read from
+    a local shard (no communication), any other one (row-sharded index embeddings, a batch
+    split by the data axis) is gathered with `process_allgather(x, tiled=True)`.
+
+    That gather is a collective: on several processes EVERY process must call `to_host` on
+    the same arrays in the same order (never under `if jax.process_index() == 0`), or the
+    job hangs. The choice of path depends only on the arrays' global shardings, which every
+    process agrees on. Leaves that are not jax arrays come back as `np.asarray(leaf)`.
+    """
+    return jax.tree.map(_leaf_to_host, tree)
+
+
+def broadcast_text(text: str) -> str:
+    """Process 0's `text` on every process (`ask`'s prompt: process 0 reads the question,
+    every process answers it). A collective: every process calls it, in the same order."""
+    if jax.process_count() == 1:
+        return text
+    data = np.frombuffer(text.encode(), np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    if n == 0:
+        return ""
+    buf = np.zeros(n, np.uint8)
+    buf[: min(n, len(data))] = data[:n]
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
 
 
 class traced_in_mesh:

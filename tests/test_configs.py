@@ -209,3 +209,57 @@ def test_cli_rejects_unknown_override_before_work(tmp_path):
     assert result.returncode != 0
     assert "train.lrr" in result.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def _mutated(config: ml_collections.ConfigDict, section: str) -> ml_collections.ConfigDict:
+    """A copy of `config` with every scalar field of `section` changed (numbers doubled plus
+    one, booleans flipped, strings suffixed)."""
+    out = ml_collections.ConfigDict(config.to_dict())
+    for key, value in out[section].items():
+        if isinstance(value, bool):
+            out[section][key] = not value
+        elif isinstance(value, int | float):
+            out[section][key] = type(value)(value * 2 + 1)
+        elif isinstance(value, str):
+            out[section][key] = value + "-mutated"
+    return out
+
+
+@pytest.mark.parametrize("task", ("ict", "orqa"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_task_configs_inherit_no_training_setting_silently(task, variant, monkeypatch):
+    """A task config (ICT, ORQA) built on configs/realm.py must set every train.* field that
+    shapes what it trains itself, or name it in its INHERITED tuple. Every train field of the
+    REALM variant is changed under it; a task field that follows the change was inherited.
+    (configs/ict.py:squad once ran ICT at a tenth of its LR through REALM's
+    train.embedder_lr_scale=0.1.)"""
+    from realm_jax import config as config_lib
+
+    real = config_lib.sibling_config
+
+    def mutated_base(config_file, name, arg):
+        return _mutated(real(config_file, name, arg), "train")
+
+    path = os.path.join(REPO, "configs", f"{task}.py")
+    plain = load_config(f"{path}:{variant}")
+    monkeypatch.setattr(config_lib, "sibling_config", mutated_base)
+    shifted = load_config(f"{path}:{variant}")
+    followed = {f"train.{k}" for k in plain.train if plain.train[k] != shifted.train[k]}
+    allowed = set(config_lib._load_module(path).INHERITED)
+    assert followed <= allowed, f"{task}.py:{variant} inherits {sorted(followed - allowed)}"
+    assert "train.embedder_lr_scale" not in allowed
+
+
+def test_ict_squad_trains_its_embedders_at_the_full_lr():
+    ict = load_config(os.path.join(REPO, "configs", "ict.py") + ":squad")
+    realm = load_config(f"{CONFIG}:squad")
+    assert realm.train.embedder_lr_scale == 0.1 and ict.train.embedder_lr_scale == 1.0
+
+
+def test_lockstep_refresh_needs_checkpoints_at_every_refresh():
+    from realm_jax.config import validate
+
+    over = ["refresh.lockstep=true", "refresh.every=5"]
+    validate(load_config(f"{CONFIG}:smoke", over + ["train.checkpoint_every=5"]))
+    with pytest.raises(ConfigError, match="checkpoint_every.*divide refresh.every"):
+        validate(load_config(f"{CONFIG}:smoke", over + ["train.checkpoint_every=3"]))

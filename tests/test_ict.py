@@ -1,6 +1,7 @@
 """ICT: the loss against numpy with negatives from every device, the example builder, the
 held-out corpus cut, and the warm start of REALM's embedders from an ICT run."""
 
+import copy
 import functools
 import os
 
@@ -146,6 +147,21 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
     assert [h["step"] for h in evals] == [0, 4]
     assert 0 <= evals[-1]["eval/recall@5"] <= 1 and "eval/bm25_recall@5" in evals[-1]
     assert evals[-1]["eval/bm25_recall@20"] >= evals[-1]["eval/bm25_recall@5"]
+
+    # A stop request (SIGTERM/SIGINT) seen on a step that is also a checkpoint step: that step
+    # is saved once and the run ends cleanly (a second, forced save of the same step raised
+    # orbax's StepAlreadyExistsError).
+    import threading
+
+    from realm_jax import checkpoint as ckpt
+
+    stop = threading.Event()
+    stop.set()
+    more = copy.deepcopy(config)
+    more.unlock()
+    more.train.steps, more.train.checkpoint_every, more.train.eval_every = 8, 1, 0
+    ict_command.train(more, work, stop_event=stop)
+    assert ckpt.manager(work, with_data=False, read_only=True).latest_step() == 5
 
     realm = load_config(
         os.path.join(REPO, "configs", "realm.py:smoke"),

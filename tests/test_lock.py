@@ -100,8 +100,8 @@ def test_disabled_unknown_role_and_unreadable_holder(tmp_path, holders):
 
 
 def test_an_object_store_workdir_takes_a_lease(monkeypatch):
-    """gs:// has no flock: the lock is a lease object (tests/test_gcs.py runs it against a GCS
-    emulator); no local lock file is made for a URL."""
+    """gs:// has no flock: the lock is a lease object (tests/test_gcs.py runs it, and two
+    processes racing for it, against fake-gcs-server); no local lock file is made for a URL."""
     import contextlib
 
     from realm_jax import lock

@@ -66,6 +66,30 @@ def test_launch_dry_run_with_a_shared_filesystem_workdir():
 
 
 @pytest.mark.parametrize(
+    "spec, task", [("configs/orqa.py:base", "qa"), ("configs/ict.py:base", "ict")]
+)
+@pytest.mark.parametrize("wait", [False, True])
+def test_launch_starts_no_refresher_for_a_run_that_reads_no_refreshed_index(spec, task, wait):
+    """QA fine-tuning keeps its index frozen and ICT has none: only the trainers start (and
+    with --wait, as tpu/sweep.sh runs them, no refresher is stopped afterwards)."""
+    wd = "gs://my-bucket/runs/qa1"
+    r = _run(LAUNCH, "--dry-run", *(["--wait"] * wait), "tpu1", "z", wd, spec)
+    assert r.returncode == 0, r.stderr
+    (train,) = _commands(r.stdout)
+    assert f"realm_jax train --config {spec} --workdir {wd} --multihost" in train
+    assert "realm_jax refresh" not in r.stdout and "refresh.pid" not in r.stdout
+    assert f"no refresher: config task {task} reads no refreshed index" in r.stdout
+
+
+def test_launch_names_a_bad_override_before_anything_starts():
+    r = _run(
+        LAUNCH, "--dry-run", "tpu1", "z", "gs://b-1/run", "configs/realm.py:base",
+        "--config.train.lrr=1",
+    )  # fmt: skip
+    assert r.returncode == 2 and "train.lrr" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize(
     "workdir, message",
     [
         ("gs://my-bucket", "must be gs://BUCKET/FOLDER (a folder inside the bucket)"),

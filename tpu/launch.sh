@@ -12,7 +12,8 @@
 # options:
 #   --run RUN      name for the log folder ~/realm-jax/logs/RUN/ (default: basename of WORKDIR)
 #   --prepare      first run `realm_jax prepare` on worker 0 (CPU) and wait for it
-#   --no-refresh   start no refresh job (automatic with --config.refresh.mode=inprocess)
+#   --no-refresh   start no refresh job (automatic with --config.refresh.mode=inprocess, and
+#                  for an ICT or QA fine-tuning config: neither reads a refreshed index)
 #   --wait         run the trainers in the foreground, then stop the refresher (tpu/sweep.sh)
 #   --stop         send SIGTERM to this run's trainers and refresher (trainers checkpoint first)
 #   --dry-run      print the gcloud commands instead of running them
@@ -23,6 +24,8 @@
 # trainer host loads, hence a bucket or a shared filesystem. The trainer holds the host's TPU chips, so
 # the refresher runs on the host CPU (JAX_PLATFORMS=cpu, override with REFRESH_PLATFORMS);
 # for paper-scale corpora use --config.refresh.mode=inprocess instead (see tpu/README.md).
+# Whether a refresher is needed is read from the config (config.task realm, refresh.mode
+# external) with this repo's .venv/bin/python, $PYTHON or python3, as tpu/sweep.sh does.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
@@ -67,6 +70,32 @@ run_name=${run_name:-$(basename "$workdir")}
 for o in "${overrides[@]}"; do
   [[ "$o" != --config.refresh.mode=inprocess ]] || refresh=0
 done
+if (( refresh && ! stop )); then
+  # Only REALM pre-training with an external refresh job reads the refresher's index: ICT
+  # trains without one, QA fine-tuning (finetune, task qa) keeps its index frozen.
+  repo_root=$(cd "$(dirname "$0")/.." && pwd)
+  python=${PYTHON:-}
+  if [[ -z "$python" ]]; then
+    if [[ -x "$repo_root/.venv/bin/python" ]]; then python=$repo_root/.venv/bin/python; else python=python3; fi
+  fi
+  needs=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
+import sys
+from realm_jax.config import ConfigError, load_config
+try:
+    c = load_config(sys.argv[1], [o.removeprefix("--config.") for o in sys.argv[2:]])
+except ConfigError as e:
+    print(f"tpu/launch.sh: error: {e}", file=sys.stderr)
+    sys.exit(2)
+print("refresh" if c.task == "realm" and c.refresh.mode == "external" else f"none {c.task}")' \
+    "$spec" "${overrides[@]}") || {
+    (( $? != 2 )) || exit 2  # a bad config or override, named above
+    die "cannot read the config $spec with $python (pass --no-refresh to start no refresher)"
+  }
+  if [[ "$needs" != refresh ]]; then
+    refresh=0
+    echo "no refresher: config task ${needs#none } reads no refreshed index"
+  fi
+fi
 logs="$REMOTE_DIR/logs/$run_name"
 
 run() {

@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Iterator
 
+from realm_jax import fs
 from realm_jax import tokenization as tk
 
 BAD_KINDS = ("bad_utf8", "bad_json", "missing_field", "empty_text", "duplicate_id", "unreadable")
@@ -85,7 +86,7 @@ class _Reader:
 def _lines(path: str, r: _Reader) -> Iterator[tuple[int, str]]:
     """(line number, decoded line) of a file; bad UTF-8 lines are reported per line."""
     try:
-        f = open(path, "rb")
+        f = fs.open(path, "rb")  # local or gs://
     except OSError as e:
         r.bad("unreadable", path, f"cannot read file: {e}")
         return
@@ -101,7 +102,7 @@ def _lines(path: str, r: _Reader) -> Iterator[tuple[int, str]]:
 
 
 def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = os.path.splitext(fs.basename(path))[0]
     for n, line in _lines(path, r):
         where = f"{path}:{n}"
         try:
@@ -119,7 +120,7 @@ def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
 
 
 def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = os.path.splitext(fs.basename(path))[0]
     for n, line in _lines(path, r):
         where = f"{path}:{n}"
         (cols,) = list(csv.reader(io.StringIO(line), delimiter="\t", quoting=csv.QUOTE_NONE))
@@ -138,13 +139,10 @@ def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
 
 
 def _read_folder(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
-    files = sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt")
-    )
-    for file in files:
-        rel = os.path.relpath(file, path)
+    for rel in _txt_files(path):
+        file = fs.join(path, *rel.split("/"))
         try:
-            with open(file, "rb") as f:
+            with fs.open(file, "rb") as f:
                 raw = f.read()
         except OSError as e:
             r.bad("unreadable", file, f"cannot read file: {e}")
@@ -155,7 +153,7 @@ def _read_folder(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
             line = raw[: e.start].count(b"\n") + 1
             r.bad("bad_utf8", f"{file}:{line}", f"invalid UTF-8 ({e.reason})")
             continue
-        doc = r.check(f"{file}:1", rel, os.path.splitext(os.path.basename(file))[0], text)
+        doc = r.check(f"{file}:1", rel, os.path.splitext(fs.basename(file))[0], text)
         if doc:
             yield doc
 
@@ -166,9 +164,9 @@ def read_documents(
     """Yield (doc_id, title, text) from a .jsonl/.tsv file or a folder of .txt files."""
     stats = stats if stats is not None else collections.Counter()
     r = _Reader(skip_bad_input, stats)
-    if os.path.isdir(path):
+    if fs.isdir(path):
         yield from _read_folder(path, r)
-    elif not os.path.exists(path):
+    elif not fs.exists(path):
         raise CorpusError(f"{path}: no such file or folder")
     elif path.endswith((".jsonl", ".json")):
         yield from _read_jsonl(path, r)
@@ -180,11 +178,14 @@ def read_documents(
 
 def input_files(path: str) -> list[str]:
     """The files whose contents define the corpus (for fingerprints)."""
-    if os.path.isdir(path):
-        return sorted(
-            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt")
-        )
+    if fs.isdir(path):
+        return [fs.join(path, *rel.split("/")) for rel in _txt_files(path)]
     return [path]
+
+
+def _txt_files(folder: str) -> list[str]:
+    """The .txt files under a local or gs:// folder, relative ('/'-separated), sorted."""
+    return [rel for rel in fs.walk_files(folder) if rel.endswith(".txt")]
 
 
 # ------------------------------------------------------------------------------------- blocking

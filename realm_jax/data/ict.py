@@ -10,6 +10,7 @@ would be left); we keep such blocks unmasked, so every batch is full and fixed-s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import grain
 import numpy as np
@@ -30,6 +31,12 @@ class BlockSubset:
 
     def __getitem__(self, i: int):
         return self.source[int(self.ids[i])]
+
+    def __repr__(self) -> str:
+        # grain checks a restored iterator state against repr(data source): the default repr
+        # (an object address) made every ICT resume fail
+        digest = hashlib.sha256(self.ids.tobytes()).hexdigest()[:16]
+        return f"BlockSubset({self.source!r}, {len(self.ids)} ids, sha256 {digest})"
 
 
 def train_block_ids(data, titles: list[str], doc_ids: list[str]) -> np.ndarray:

@@ -1,23 +1,38 @@
 """grain input pipeline for REALM pre-training: masked sentences as fixed-shape numpy batches.
 
-Each JAX process reads only its share of the examples (`ShardByJaxProcess`); the order is a
-deterministic function of the seed; the iterator state saves and restores with orbax through
-`iterator_save_args` / `iterator_restore_args` (grain's own orbax handler), e.g.
+The order of the global batches is a deterministic function of the seed alone
+(`GlobalBatchSampler`): global batch t is the same examples, with the same span draws, whatever
+the number of JAX processes or grain workers reading it, and process p of P reads rows
+[p*B/P, (p+1)*B/P) of it. So a checkpoint's iterator state translates to another process count
+(a pod slice with another host count) or worker count: `iterator_restore_args` restores any
+process's saved state onto this process, e.g.
 
     mngr.save(step, args=ocp.args.Composite(state=..., data_iter=iterator_save_args(it)))
     mngr.restore(step, args=ocp.args.Composite(state=..., data_iter=iterator_restore_args(it)))
+
+The saved files are grain's own (`process_{i}-of-{n}.json`, grain's DataLoader state).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import re
+import sys
+from typing import Any
 
 import grain
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
 
 from realm_jax import tokenization as tk
+from realm_jax.checkpoint import CheckpointMismatch
 from realm_jax.data import prepared as prepare_lib
+
+log = logging.getLogger(__name__)
 
 
 def mask_example(rec: dict, span: int, query_len: int, max_predictions: int) -> dict:
@@ -73,6 +88,100 @@ def local_batch_size(global_batch_size: int) -> int:
     return global_batch_size // n
 
 
+class GlobalBatchSampler:
+    """A grain sampler whose global batches do not depend on the process or worker count.
+
+    Global position g = 0, 1, 2, ... is record `MapDataset.range(N).shuffle(seed)[g]`
+    (reshuffled each epoch) with its RandomMap rng seeded by seed + g: exactly the order of a
+    one-process grain IndexSampler(shuffle=True, seed). Global batch t is positions
+    [t*B, (t+1)*B), and process p of P reads rows [p*b, (p+1)*b) of it (b = B/P).
+
+    Where this differs from grain's IndexSampler with ShardByJaxProcess (what realm-jax used
+    before): that one cuts the records into P contiguous shards shuffled apart, so with more
+    than one process its order depends on P and a saved position means nothing to another
+    process count. Here `__getitem__` undoes grain's own striping instead: the DataLoader asks
+    for index k*P + p for process p's k-th record, and with W worker processes worker w
+    batches the records w, w+W, w+2W, ... and the batches come out round robin. So batch t is
+    the same for every (P, W), and a saved position moves between them.
+    """
+
+    def __init__(
+        self,
+        num_records: int,
+        *,
+        global_batch_size: int,
+        seed: int,
+        process_count: int,
+        worker_count: int = 0,
+        num_epochs: int | None = None,
+    ):
+        if global_batch_size % process_count:
+            raise ValueError(
+                f"global batch size {global_batch_size} is not divisible by the "
+                f"{process_count} JAX processes"
+            )
+        self.num_records = num_records
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.num_epochs = num_epochs
+        self.process_count = process_count
+        self.worker_count = worker_count  # grain's: 0 = in-process (one stream, like W = 1)
+        self.local_batch_size = global_batch_size // process_count
+        self._keys = grain.MapDataset.range(num_records).shuffle(seed=seed)
+        # Whole global batches only (drop_remainder), so that every process ends together.
+        self._len = (
+            sys.maxsize
+            if num_epochs is None
+            else num_epochs * num_records // global_batch_size * global_batch_size
+        )
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        # grain validates a restored state against repr(sampler): only what fixes the global
+        # order belongs here, not the process or worker count (a state moves between those).
+        return (
+            f"GlobalBatchSampler(num_records={self.num_records}, "
+            f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
+            f"num_epochs={self.num_epochs})"
+        )
+
+    def global_position(self, index: int) -> int:
+        """The global position of the record grain asks for as sampler index `index`."""
+        p, k = index % self.process_count, index // self.process_count
+        workers = max(self.worker_count, 1)
+        w, m = k % workers, k // workers  # worker w's m-th record
+        q, r = divmod(m, self.local_batch_size)  # row r of worker w's q-th batch
+        t = q * workers + w  # this process's t-th batch: global batch t
+        return t * self.global_batch_size + p * self.local_batch_size + r
+
+    def __getitem__(self, index: int) -> grain.RecordMetadata:
+        if index < 0 or index >= self._len:
+            raise IndexError(f"sampler index {index} out of range [0, {self._len})")
+        g = self.global_position(index)
+        return grain.RecordMetadata(
+            index=index,
+            record_key=int(self._keys[g]),
+            rng=np.random.Generator(np.random.Philox(key=self.seed + g)),
+        )
+
+
+class ShardedLoader(grain.DataLoader):
+    """grain's DataLoader over a GlobalBatchSampler; its iterators carry the sampler
+    (`global_sampler`), which `iterator_restore_args` needs to move a saved position to
+    another process or worker count."""
+
+    def __init__(self, *, sampler: GlobalBatchSampler, **kwargs):
+        super().__init__(sampler=sampler, **kwargs)
+        self.global_sampler = sampler
+
+    def __iter__(self):
+        it = super().__iter__()
+        it.global_sampler = self.global_sampler
+        return it
+
+
 def shuffled_batches(
     source,
     transform,
@@ -82,24 +191,34 @@ def shuffled_batches(
     seed: int,
     num_epochs=None,
     worker_count: int = 0,
-) -> grain.DataLoader:
-    """A grain DataLoader of this process's share of `source` (ShardByJaxProcess), shuffled
-    by `seed` epoch after epoch, each record through `transform` (a grain Map/RandomMap),
-    batched to global_batch_size / jax.process_count() with drop_remainder. `what` names
-    the records in the error for a source that cannot fill a batch."""
+) -> ShardedLoader:
+    """A grain DataLoader of this process's rows of the global batches of `source`, shuffled
+    by `seed` epoch after epoch (GlobalBatchSampler), each record through `transform` (a grain
+    Map/RandomMap), batched to global_batch_size / jax.process_count(). `what` names the
+    records in the error for a source that cannot fill a global batch. With `num_epochs`, the
+    whole global batches of that many epochs (with worker_count > 0 the last few may be
+    dropped: each worker drops its own remainder)."""
     b = local_batch_size(global_batch_size)
-    if len(source) // jax.process_count() < b:
-        raise ValueError(f"{len(source)} {what} cannot fill one batch of {b} per process")
-    sampler = grain.samplers.IndexSampler(
-        num_records=len(source),
-        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
-        shuffle=True,
-        num_epochs=num_epochs,
+    if len(source) < global_batch_size:
+        raise ValueError(
+            f"{len(source)} {what} cannot fill one batch of {global_batch_size} ({b} per process)"
+        )
+    shard = grain.sharding.ShardByJaxProcess()
+    sampler = GlobalBatchSampler(
+        len(source),
+        global_batch_size=global_batch_size,
         seed=seed,
+        process_count=shard.shard_count,
+        worker_count=worker_count,
+        num_epochs=num_epochs,
     )
     ops = [transform, grain.transforms.Batch(batch_size=b, drop_remainder=True)]
-    return grain.DataLoader(
-        data_source=source, sampler=sampler, operations=ops, worker_count=worker_count
+    return ShardedLoader(
+        data_source=source,
+        sampler=sampler,
+        operations=ops,
+        worker_count=worker_count,
+        shard_options=shard,
     )
 
 
@@ -125,14 +244,205 @@ def train_loader(
     )
 
 
-def iterator_save_args(it) -> grain.checkpoint.CheckpointSave:
+# ----------------------------------------------------------- iterator state, any process count
+
+_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # grain's handler's file names
+
+
+def batches_consumed(state: dict, process_index: int, process_count: int, local_batch: int) -> int:
+    """How many batches the DataLoader iterator whose saved `state` (grain's DataLoader state,
+    as process `process_index` of `process_count` saved it, `local_batch` rows a batch) had
+    handed out: the global batch it resumes at. ValueError when the state is not one a
+    DataLoader over whole batches leaves (then it is not translated)."""
+    workers, last = int(state["worker_count"]), state["last_seen_indices"]
+    p, n_proc = process_index, process_count
+    if workers == 0:  # grain: last seen = p - P + records * P
+        per_worker = [(int(last["0"]) - p + n_proc, n_proc)]
+    else:  # worker i: last seen = p - W*P + i*P + records_i * W*P
+        per_worker = [
+            (int(last[str(i)]) - p - i * n_proc + workers * n_proc, workers * n_proc)
+            for i in range(workers)
+        ]
+    records = []
+    for offset, stride in per_worker:
+        if offset < 0 or offset % stride:
+            raise ValueError(f"data iterator state {last} is not process {p} of {n_proc}'s")
+        records.append(offset // stride)
+    if any(r % local_batch for r in records):
+        raise ValueError(f"data iterator state {last} is not at a whole batch of {local_batch}")
+    n = sum(r // local_batch for r in records)
+    want = loader_state(state, n, p, n_proc, workers, local_batch, state["sampler"])
+    if want["last_seen_indices"] != {str(k): int(v) for k, v in last.items()}:
+        raise ValueError(f"data iterator state {last} is not a round-robin position of workers")
+    return n
+
+
+def loader_state(
+    saved: dict,
+    batches: int,
+    process_index: int,
+    process_count: int,
+    worker_count: int,
+    local_batch: int,
+    sampler_repr: str,
+) -> dict:
+    """grain's DataLoader state of process `process_index` of `process_count` (`worker_count`
+    workers, `local_batch` rows a batch) after `batches` batches; the other fields (grain's
+    version, the data source) as in `saved`. The inverse of batches_consumed."""
+    p, n_proc, workers = process_index, process_count, worker_count
+    if workers == 0:
+        last = {"0": p - n_proc + batches * local_batch * n_proc}
+        last_worker = -1
+    else:  # round robin: worker i has made ceil((batches - i) / W) of them
+        last = {
+            str(i): p
+            - workers * n_proc
+            + i * n_proc
+            + (batches - i + workers - 1) // workers * local_batch * workers * n_proc
+            for i in range(workers)
+        }
+        last_worker = batches % workers - 1
+    return {
+        **saved,
+        "last_seen_indices": last,
+        "last_worker_index": last_worker,
+        "worker_count": workers,
+        "sampler": sampler_repr,
+    }
+
+
+def _legacy_order(saved: dict, sampler: GlobalBatchSampler) -> str | None:
+    """How a state saved by an IndexSampler (realm-jax before GlobalBatchSampler) relates to
+    `sampler`'s order: "exact" at one process and no worker with the same records and seed
+    (the same order), "approximate" at another process or worker count (its order depended on
+    them), "other" for other records or another seed; None for a state not an IndexSampler's."""
+    m = re.match(
+        r"IndexSampler\(num_records=(\d+),.*shard_count=(\d+),.*seed=(\d+)\)", saved["sampler"]
+    )
+    if m is None:
+        return None
+    if (int(m[1]), int(m[3])) != (sampler.num_records, sampler.seed):
+        return "other"
+    return "exact" if int(m[2]) == 1 and int(saved["worker_count"]) == 0 else "approximate"
+
+
+def _read_saved_state(directory: epath.Path) -> tuple[dict, int, int]:
+    """(state, process index, process count) of the saved state this process resumes from:
+    its own file when the checkpoint was written by as many processes as this job has (exactly
+    grain's handler), else the lowest-numbered process's file of the checkpoint's count (every
+    process of a run is at the same global batch)."""
+    p, n_proc = jax.process_index(), jax.process_count()
+    own = directory / f"process_{p}-of-{n_proc}.json"
+    if own.exists():
+        return json.loads(own.read_text()), p, n_proc
+    saved = sorted(
+        (int(m[2]), int(m[1]), f)
+        for f in directory.iterdir()
+        if (m := _STATE_FILE.fullmatch(f.name))
+    )
+    if not saved or saved[0][0] == n_proc:  # no state, or this process's file is missing
+        raise ValueError(f"File {own} does not exist.")
+    count, index, path = saved[0]
+    return json.loads(path.read_text()), index, count
+
+
+def _processes_and_workers(processes: int, workers: int) -> str:
+    return (
+        f"{processes} JAX process{'' if processes == 1 else 'es'} "
+        f"({workers} grain worker{'' if workers == 1 else 's'} each)"
+    )
+
+
+def restore_state(directory: epath.Path, sampler: GlobalBatchSampler) -> bytes:
+    """This process's DataLoader state (grain's JSON) from the data_iter item of a checkpoint,
+    translated when the checkpoint was written by another number of processes or workers.
+
+    Same count, same workers, same order: the saved state unchanged (an exact resume, as
+    grain's handler does). Otherwise the global batch the run had reached is read from one
+    process's state (`batches_consumed`) and this process's state at that batch is built
+    (`loader_state`): the run goes on with exactly the batches an uninterrupted run would
+    have had. A state of another data order is a CheckpointMismatch (not damage)."""
+    p, n_proc, workers = jax.process_index(), jax.process_count(), sampler.worker_count
+    saved, saved_p, saved_n = _read_saved_state(directory)
+    ours = repr(sampler)
+    if saved["sampler"] == ours and (saved_n, saved["worker_count"]) == (n_proc, workers):
+        return json.dumps(saved).encode()
+    legacy = _legacy_order(saved, sampler)
+    if saved["sampler"] != ours and legacy in (None, "other"):
+        raise CheckpointMismatch(
+            f"the data iterator in {directory} was saved for another data order: "
+            f"{saved['sampler']}, this run's is {ours}. Revert the change to resume this run, "
+            "or pass a new --workdir to start a new one (nothing was moved or deleted)"
+        )
+    if sampler.global_batch_size % saved_n:
+        raise CheckpointMismatch(
+            f"the data iterator in {directory} was saved by {saved_n} processes, which do not "
+            f"divide this run's global batch of {sampler.global_batch_size}"
+        )
+    n = batches_consumed(saved, saved_p, saved_n, sampler.global_batch_size // saved_n)
+    written = _processes_and_workers(saved_n, saved["worker_count"])
+    now = _processes_and_workers(n_proc, workers)
+    if legacy == "approximate":
+        log.warning(
+            "data iterator in %s: saved by an older realm-jax whose data order depended on "
+            "the process and worker count (%s); continuing at global batch %d of the "
+            "count-independent order (this epoch may repeat or skip some examples once)",
+            directory,
+            written,
+            n,
+        )
+    elif (saved_n, saved["worker_count"]) != (n_proc, workers):
+        log.info(
+            "data iterator: checkpoint written by %s, this job has %s: re-sharded at global "
+            "batch %d (the same batches follow as in an uninterrupted run)",
+            written,
+            now,
+            n,
+        )
+    state = loader_state(saved, n, p, n_proc, workers, sampler.local_batch_size, ours)
+    return json.dumps(state).encode()
+
+
+class IteratorHandler(grain.checkpoint.CheckpointHandler):
+    """grain's orbax handler (the same files), restoring a ShardedLoader's iterator from a
+    checkpoint of any process or worker count (restore_state); any other iterator exactly as
+    grain does."""
+
+    def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
+        item = item or args.item
+        sampler = getattr(item, "global_sampler", None)
+        if sampler is None:
+            return super().restore(directory, item=item, args=args)
+        item.set_state(restore_state(directory, sampler))
+        item.start_prefetch()
+        return item
+
+
+@ocp.args.register_with_handler(IteratorHandler, for_save=True)
+@dataclasses.dataclass
+class IteratorSave(ocp.args.CheckpointArgs):
+    """orbax args: save a grain iterator's state (grain's files)."""
+
+    item: Any
+
+
+@ocp.args.register_with_handler(IteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class IteratorRestore(ocp.args.CheckpointArgs):
+    """orbax args: restore a grain iterator's state in place, from any process count."""
+
+    item: Any
+
+
+def iterator_save_args(it) -> IteratorSave:
     """orbax args that save a grain DataLoader iterator's state."""
-    return grain.checkpoint.CheckpointSave(it)
+    return IteratorSave(it)
 
 
-def iterator_restore_args(it) -> grain.checkpoint.CheckpointRestore:
-    """orbax args that restore a grain DataLoader iterator's state in place."""
-    return grain.checkpoint.CheckpointRestore(it)
+def iterator_restore_args(it) -> IteratorRestore:
+    """orbax args that restore a grain DataLoader iterator's state in place (a checkpoint of
+    another process or worker count included: restore_state)."""
+    return IteratorRestore(it)
 
 
 def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):

@@ -88,34 +88,25 @@ def load_summary(data_dir: str) -> dict:
 
 
 def cache_root() -> str:
-    """Where gs:// prepared data is copied to be read: $REALM_JAX_CACHE, else
-    ~/.cache/realm-jax."""
-    return os.environ.get("REALM_JAX_CACHE") or os.path.expanduser("~/.cache/realm-jax")
+    """Where gs:// prepared data is copied to be read (fs.cache_root: $REALM_JAX_CACHE, else
+    ~/.cache/realm-jax)."""
+    return fs.cache_root()
 
 
 def local_copy(data_dir: str, s: dict) -> str:
     """A local folder holding data_dir's datasets: data_dir itself when local; for a gs://
     data_dir a verified copy under cache_root(), one per prepare (keyed by its fingerprint and
-    creation time), downloaded once and marked complete last."""
+    creation time), downloaded once per host and renamed into place whole (fs.cached_copy)."""
     if not fs.is_remote(data_dir):
         return os.path.abspath(data_dir)
     if "files" not in s:
         raise PrepareError(f"{data_dir}: {SUMMARY} lists no files (prepared by an older realm-jax)")
     tag = hashlib.sha256(f"{fs.abspath(data_dir)}:{s['fingerprint']}:{s['created']}".encode())
     local = os.path.join(cache_root(), "prepared", tag.hexdigest()[:16])
-    done = os.path.join(local, ".complete")
-    if not os.path.exists(done):
-        tmp = f"{local}.tmp-{os.getpid()}"
-        fs.rmtree(tmp)
-        fs.download_tree(data_dir, tmp, sorted(s["files"]))
-        for rel, size in s["files"].items():
-            if os.path.getsize(os.path.join(tmp, *rel.split("/"))) != size:
-                raise PrepareError(f"{data_dir}: {rel} changed while it was copied; try again")
-        fs.rmtree(local)
-        os.rename(tmp, local)
-        with open(done, "w") as f:
-            f.write(data_dir + "\n")
-    return local
+    try:
+        return fs.cached_copy(data_dir, dict(s["files"]), local)
+    except fs.StorageError as e:
+        raise PrepareError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=8)

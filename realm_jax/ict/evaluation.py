@@ -54,11 +54,13 @@ class IctEvaluator:
         return {f"bm25_{k}": v for k, v in out.items()}
 
     def __call__(self, state, step: int) -> dict[str, float]:
-        emb = np.asarray(jax.device_get(self.embed(state.params, self.tokens)), np.float32)
+        # every process embeds its rows and its share of the queries, then gathers them all
+        # (sharding.to_host): each process scores the same and returns the same recall
+        emb = sharding.to_host(self.embed(state.params, self.tokens)).astype(np.float32)
         emb = emb[: self.num_blocks]
         q = np.concatenate(
             [
-                np.asarray(self.embed_q(state.params, self.q[i : i + 256]))
+                sharding.to_host(self.embed_q(state.params, self.q[i : i + 256]))
                 for i in range(0, len(self.q), 256)
             ]
         )

@@ -50,10 +50,11 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
         )
         raise FileNotFoundError(f"no valid index in {paths.index_dir(workdir)}: {hint}")
     _, path = found
-    mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
+    # one device of this process (jax.devices()[0] is process 0's): every process answers alone
+    mesh = sharding.make_mesh(config.mesh, devices=jax.local_devices()[:1])
     model, params = _query_params(config, workdir, mesh)
     ids = encode_query(question, config.data.query_len)[None]
-    q = np.asarray(embed_query_tokens(model, {"query_embedder": params}, ids))
+    q = sharding.to_host(embed_query_tokens(model, {"query_embedder": params}, ids))
     scann_dir = os.path.join(path, "scann")
     if os.path.isdir(scann_dir):
         from realm_jax.index import scann as scann_index
@@ -72,6 +73,8 @@ def command(config, args) -> int:
     has no reader fine-tuned to answer: QA configs answer, qa/commands.py)."""
     if not args.question:
         raise ValueError("give a question (interactive mode needs a QA config)")
-    for title, text, score in ask(config, args.workdir, " ".join(args.question), args.top_k):
-        print(f"[{score:8.3f}] {title}: {text[:200]}")
+    hits = ask(config, args.workdir, " ".join(args.question), args.top_k)
+    if jax.process_index() == 0:  # several processes: each computes the same, one prints
+        for title, text, score in hits:
+            print(f"[{score:8.3f}] {title}: {text[:200]}")
     return 0

@@ -5,14 +5,13 @@ for a newer published version (external mode) or re-embedded on the trainer's ow
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from realm_jax import sharding
+from realm_jax import fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
 from realm_jax.index.corpus import embed_blocks_fn, pad_index
@@ -45,6 +44,7 @@ class IndexFeed:
         self.step = -1  # the checkpoint step the current embeddings came from
         self.last_swap_seconds = 0.0
         self._warned = -1
+        self.health = None  # raises when `local`'s refresh job has died (lockstep waits)
 
     def _load_published(self, step: int, path: str) -> None:
         t0 = time.time()
@@ -67,10 +67,18 @@ class IndexFeed:
             expected_dim=self.config.model.proj_size,
         )
 
+    @property
+    def lockstep(self) -> bool:
+        return self.mode == "external" and bool(self.config.refresh.get("lockstep", False))
+
     def start(self, params, step: int, health=None) -> None:
         """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
         if self.mode == "inprocess":
             self.reembed(params, step)
+            return
+        if self.lockstep:  # the version the uninterrupted run would be using at `step`
+            self.health = health
+            self._wait_for(step - step % self.config.refresh.every)
             return
         found = self._newest(-1)
         deadline = time.time() + self.config.refresh.wait_seconds
@@ -107,7 +115,8 @@ class IndexFeed:
         published version is taken up within check_every steps (looking only every
         refresh.every steps let staleness run to about twice that)."""
         r = self.config.refresh
-        return step % (r.every if self.mode == "inprocess" else max(1, r.check_every)) == 0
+        every = r.every if self.mode == "inprocess" or self.lockstep else max(1, r.check_every)
+        return step % every == 0
 
     def close(self) -> None:
         """Release the trainer's lease on its index version (the refresher may delete it)."""
@@ -126,13 +135,57 @@ class IndexFeed:
         )
         if chosen < 0:
             return None
-        return chosen, os.path.join(self.dir, store.version_name(chosen))
+        return chosen, fs.join(self.dir, store.version_name(chosen))
+
+    def _exact_ready(self, step: int) -> bool:
+        """Whether version `step` is published and verifies, the same answer on every process
+        (process 0 looks, the others follow)."""
+        ok = False
+        if jax.process_index() == 0:
+            path = fs.join(self.dir, store.version_name(step))
+            try:
+                store.verify_version(
+                    path,
+                    expected_num_blocks=self.num_blocks,
+                    expected_dim=self.config.model.proj_size,
+                    checksum=False,  # _load_published checks the sha256 as it reads
+                )
+                ok = True
+            except (store.CorruptIndexError, OSError):
+                ok = False
+        if jax.process_count() > 1:
+            ok = bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+        return ok
+
+    def _wait_for(self, step: int) -> None:
+        """Lockstep: block until the refresh job publishes the index of checkpoint `step`, then
+        load it (progress every 30 s; refresh.wait_seconds at most)."""
+        r, t0, next_log = self.config.refresh, time.time(), 0.0
+        while not self._exact_ready(step):
+            waited = time.time() - t0
+            if waited > r.wait_seconds:
+                raise TimeoutError(
+                    f"refresh.lockstep: index version {step} not published in {self.dir} "
+                    f"after {r.wait_seconds:.0f}s: is the refresh job (`realm-jax refresh`) "
+                    "running on this workdir?"
+                )
+            if self.health is not None:
+                self.health()
+            if waited >= next_log:
+                log.info("lockstep: waiting for index version %d (%.0fs so far) ...", step, waited)
+                next_log += 30.0
+            time.sleep(min(r.poll_seconds, 0.5))
+        self._load_published(step, fs.join(self.dir, store.version_name(step)))
 
     def maybe_refresh(self, params, step: int) -> bool:
         """Swap in a newer index if one is published (re-embed in inprocess mode); True when
         the index changed."""
         if self.mode == "inprocess":
             self.reembed(params, step)
+            return True
+        if self.lockstep:
+            if step != self.step:
+                self._wait_for(step)
             return True
         found = self._agreed_newest()
         if found is not None:

@@ -12,7 +12,6 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
@@ -26,10 +25,9 @@ log = logging.getLogger("realm_jax.refresh")
 
 
 def _host_embeddings(emb: jax.Array, num_blocks: int) -> np.ndarray:
-    """Sharded [Npad, D] device array -> host [N, D] (gathered across processes)."""
-    if jax.process_count() > 1:
-        emb = multihost_utils.process_allgather(emb, tiled=True)
-    return np.asarray(jax.device_get(emb))[:num_blocks]
+    """Sharded [Npad, D] device array -> host [N, D] (gathered across processes: every
+    process calls this)."""
+    return sharding.to_host(emb)[:num_blocks]
 
 
 def build_searcher(config, embeddings: np.ndarray):

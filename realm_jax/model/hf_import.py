@@ -7,12 +7,15 @@ both), and REALM's RealmEmbedder, RealmKnowledgeAugEncoder and RealmReader.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 
 import numpy as np
 from flax import linen as nn
+
+from realm_jax import fs
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +26,19 @@ class WeightImportError(ValueError):
 
 def check_folder(path: str) -> None:
     """A WeightImportError unless `path` is a folder with config.json and model.safetensors
-    (cheap: run before any model is built, so a wrong path fails at once)."""
-    if not os.path.isdir(path):
-        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+    (cheap: run before any model is built, so a wrong path fails at once). `path` may be a
+    gs:// URL."""
+    try:
+        fs.check_buckets([path])
+    except fs.StorageError as e:
+        raise WeightImportError(str(e)) from None
+    if not fs.isdir(path):
+        where = "" if fs.is_remote(path) or os.path.isabs(path) else f" (relative to {os.getcwd()})"
         raise WeightImportError(f"{path}: no such folder{where}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not fs.isfile(fs.join(path, "config.json")):
         raise WeightImportError(f"{path}: no config.json")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        pickled = [
-            f for f in ("pytorch_model.bin", "tf_model.h5") if os.path.exists(os.path.join(path, f))
-        ]
+    if not fs.isfile(fs.join(path, "model.safetensors")):
+        pickled = [f for f in ("pytorch_model.bin", "tf_model.h5") if fs.exists(fs.join(path, f))]
         hint = (
             f" (found {pickled[0]}: convert it to safetensors; pickles are never loaded)"
             if pickled
@@ -41,18 +47,45 @@ def check_folder(path: str) -> None:
         raise WeightImportError(f"{path}: no model.safetensors{hint}")
 
 
-def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json as a dict, {name: array}) from a HuggingFace model folder."""
-    cfg_path = os.path.join(path, "config.json")
-    st_path = os.path.join(path, "model.safetensors")
+# What a weights folder on an object store brings to the local cache (the vocabulary too,
+# where the folder has one); pickles are never copied.
+CACHED_FILES = ("config.json", "model.safetensors", "vocab.txt")
+
+
+def local_folder(path: str) -> str:
+    """A local folder with `path`'s weights: `path` itself when local; for a gs:// folder a
+    verified copy under fs.cache_root()/hf/, downloaded once per host (keyed by the URL and
+    each file's size and modification time, so a rewritten folder is copied afresh)."""
     check_folder(path)
+    if not fs.is_remote(path):
+        return path
+    files, key = {}, [fs.abspath(path)]
+    for name in CACHED_FILES:
+        url = fs.join(path, name)
+        if name == "vocab.txt" and not fs.isfile(url):
+            continue
+        files[name] = fs.size(url)
+        key.append(f"{name}:{fs.signature(url)}")
+    tag = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+    local = os.path.join(fs.cache_root(), "hf", tag)
+    try:
+        return fs.cached_copy(path, files, local)
+    except fs.StorageError as e:
+        raise WeightImportError(str(e)) from None
+
+
+def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json as a dict, {name: array}) from a HuggingFace model folder (local, or gs://
+    through a local cached copy)."""
+    local = local_folder(path)
+    st_path = fs.join(path, "model.safetensors")  # errors name the folder the user gave
     from safetensors.numpy import load_file
 
     try:
-        tensors = load_file(st_path)
+        tensors = load_file(os.path.join(local, "model.safetensors"))
     except Exception as e:  # truncated or corrupt file
         raise WeightImportError(f"{st_path}: cannot read safetensors ({e})") from e
-    with open(cfg_path) as f:
+    with open(os.path.join(local, "config.json")) as f:
         return json.load(f), tensors
 
 

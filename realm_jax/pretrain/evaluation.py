@@ -101,7 +101,7 @@ class RealmEvaluator:
         same = rand = n_q = 0.0
         for local in self.batches:
             batch = sharding.global_batch(local, self.mesh)
-            m = jax.device_get(self.fn(state.params, batch, self.feed.emb, self.feed.tokens))
+            m = sharding.to_host(self.fn(state.params, batch, self.feed.emb, self.feed.tokens))
             n_t, b = float(m["num_targets"]), len(m["retrieved_ids"])
             sums["targets"] += n_t
             for k in SUMMED:

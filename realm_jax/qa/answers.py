@@ -12,7 +12,7 @@ language/orqa/utils/eval_utils.py:
 Two host-side helpers for retrieval recall: regex_in_text (re.search, same flags) and
 answer_in_text (the normalised answer as whole tokens of the normalised text).
 
-Question files (`read_questions(path, fmt)`), all UTF-8; blank lines are skipped:
+Question files (`read_questions(path, fmt)`; local or gs://), all UTF-8; blank lines are skipped:
   nq            NQ-open JSONL, one object per line: {"question": str, "answer": [str, ...]}
   squad         SQuAD-style JSONL: {"question": str, "answers": [str, ...], "title": str,
                 "id": str, ...}; title and id optional, other keys (gold_passage) ignored
@@ -36,6 +36,8 @@ import re
 import string
 import unicodedata
 from collections.abc import Iterable, Iterator
+
+from realm_jax import fs
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +318,7 @@ def read_questions(path: str, fmt: str = "auto") -> list[QAExample]:
         raise ValueError(f"unknown question format {fmt!r}; expected auto or one of {FORMATS}")
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = fs.read_bytes(path)  # a local path or a gs:// URL
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "question file not found", path) from None
     if fmt == "auto":
@@ -352,11 +353,10 @@ def score_predictions(references: list[QAExample], predictions: dict[str, str]) 
 def read_predictions(path: str) -> dict[str, str]:
     """A predictions JSONL ({"question", "prediction"} per line: ORQA's format, and the
     `.predictions.jsonl` that `evaluate` writes) -> {question: prediction}."""
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         raise FileNotFoundError(f"predictions file not found: {path}")
     out = {}
-    with open(path, "rb") as f:
-        data = f.read()
+    data = fs.read_bytes(path)
     for n, line in _lines(path, data):
         obj = _json_object(line, f"{path}:{n}")
         q, p = obj.get("question"), obj.get("prediction")

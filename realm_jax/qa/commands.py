@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.data import pipeline, prepared
 from realm_jax.index import store
@@ -73,7 +73,7 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
     it = iter(qa_data.train_loader(config, arrays))
     q = config.qa  # the iterator runs over the question file's split: a change is refused
     fingerprint = loop.fingerprint(config, ddir) | {
-        "qa.train_file": os.path.abspath(q.train_file),
+        "qa.train_file": fs.abspath(q.train_file),
         "qa.train_holdout": q.train_holdout,
         "qa.training_questions": len(arrays["question_ids"]),
         "qa.answer_len": q.answer_len,
@@ -131,18 +131,28 @@ def finetune(config, args) -> int:
 # ----------------------------------------------------------------------------- evaluate, ask
 
 
+def require_checkpoints(workdir: str) -> None:
+    """A FileNotFoundError naming the workdir unless it holds a fine-tuning checkpoint folder
+    (best/ or checkpoints/; local or gs://): cheap, so `evaluate` and `ask` fail before
+    loading data or compiling anything."""
+    if not (fs.isdir(paths.best_dir(workdir)) or fs.isdir(paths.checkpoint_dir(workdir))):
+        raise FileNotFoundError(
+            f"{workdir}: no checkpoints; run `realm-jax finetune` with this workdir first"
+        )
+
+
 def restore_reader(config, workdir: str, mesh, which: str = "best"):
     """(model, params {query_embedder, reader}, step, where) of a fine-tuned workdir: the best
     dev checkpoint (`which`="best", falling back to the newest when none was kept) or the
     newest one ("latest")."""
     mgr, where = None, ""
-    if which == "best" and os.path.isdir(paths.best_dir(workdir)):
+    if which == "best" and fs.isdir(paths.best_dir(workdir)):
         mgr = checkpoint.best_manager(
             paths.best_dir(workdir), config.qa.best_metric, read_only=True
         )
         step, where = mgr.best_step(), "best"
     if mgr is None or step is None:
-        if not os.path.isdir(paths.checkpoint_dir(workdir)):
+        if not fs.isdir(paths.checkpoint_dir(workdir)):
             raise FileNotFoundError(
                 f"{workdir}: no checkpoints; run `realm-jax finetune` with this workdir first"
             )
@@ -207,16 +217,20 @@ def evaluate(config, args) -> int:
         return 2
     cpu0, wall0 = time.process_time(), time.perf_counter()
     bm25 = args.retriever == "bm25"
+    alone = args.retrieval_only
+    fs.check_buckets([args.questions, args.predictions, args.output])  # cli: workdir, config
     ddir = paths.data_dir(config, args.workdir)
-    examples, name = evaluation_questions(config, args, ddir)
+    examples, name = evaluation_questions(config, args, ddir)  # a bad file: named first
+    if not args.predictions and not (alone and bm25):
+        require_checkpoints(args.workdir)
     if args.predictions:  # score a predictions file (ORQA's evaluate_predictions), no model
         m = score_predictions(examples, read_predictions(args.predictions))
-        print(
-            f"{name} against {args.predictions}: {m['missing_predictions']} missing predictions; "
-            f"accuracy {m['accuracy']:.4f} ({m['num_correct']}/{m['num_total']})"
-        )
+        if jax.process_index() == 0:
+            print(
+                f"{name} against {args.predictions}: {m['missing_predictions']} missing "
+                f"predictions; accuracy {m['accuracy']:.4f} ({m['num_correct']}/{m['num_total']})"
+            )
         return 0
-    alone = args.retrieval_only
     predictor, params, source = open_predictor(
         config, args.workdir, args.retriever, args.checkpoint, model=not (alone and bm25)
     )
@@ -227,18 +241,11 @@ def evaluate(config, args) -> int:
         cpu_seconds=time.process_time() - cpu0,
         wall_seconds=time.perf_counter() - wall0,
     )
-    out = args.output or os.path.join(
-        paths.eval_dir(args.workdir),
-        f"{os.path.splitext(os.path.basename(name.split(' ')[0]))[0]}.{args.retriever}"
-        + ("-retrieval" if alone else ""),
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".predictions.jsonl", "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    if jax.process_index() != 0:  # several processes computed the same: process 0 writes
+        return 0
+    out = args.output or output_prefix(args.workdir, name, args.retriever, alone)
     summary = {"questions_file": name, "retriever": args.retriever, "model": source, **metrics}
-    with open(out + ".metrics.json", "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+    write_evaluation(out, records, summary)
     shown = ", ".join(
         f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("exact", "recall"))
     )
@@ -248,6 +255,21 @@ def evaluate(config, args) -> int:
         f"wrote {out}.predictions.jsonl and {out}.metrics.json"
     )
     return 0
+
+
+def output_prefix(workdir: str, name: str, retriever: str, alone: bool) -> str:
+    """`evaluate`'s default output prefix: WORKDIR/eval/<question file stem>.<retriever>."""
+    stem = os.path.splitext(fs.basename(name.split(" ")[0]))[0]
+    return fs.join(paths.eval_dir(workdir), f"{stem}.{retriever}" + ("-retrieval" if alone else ""))
+
+
+def write_evaluation(out: str, records: list[dict], summary: dict) -> None:
+    """<out>.predictions.jsonl and <out>.metrics.json, each written whole (local: a renamed
+    temp file; gs://: one upload), so a reader never sees half a file."""
+    fs.makedirs(fs.dirname(fs.abspath(out)))
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    fs.write_text(out + ".predictions.jsonl", lines)
+    fs.write_text(out + ".metrics.json", json.dumps(summary, indent=2))
 
 
 def _show(record: dict, top_k: int) -> str:
@@ -263,23 +285,27 @@ def _show(record: dict, top_k: int) -> str:
 def ask(config, args) -> int:
     """`realm-jax ask` with a QA config: the predicted answer span and the blocks it read;
     with no question, an interactive prompt (one question a line, empty line or EOF ends)."""
-    predictor, params, source = open_predictor(config, args.workdir, args.retriever)
     if args.top_k < 1:
         raise ValueError(f"--top_k must be at least 1, got {args.top_k}")
+    require_checkpoints(args.workdir)  # before the data is read and the model compiled
+    predictor, params, source = open_predictor(config, args.workdir, args.retriever)
     log.info("answering with the %s", source)
 
     def answer(question: str) -> None:
         records, _ = predictor.run(params, [QAExample(question, ())], 1)
-        print(_show(records[0], args.top_k), flush=True)
+        if jax.process_index() == 0:  # every process answers (collectives), process 0 prints
+            print(_show(records[0], args.top_k), flush=True)
 
     if args.question:
         answer(" ".join(args.question))
         return 0
-    interactive = sys.stdin.isatty()
+    first = jax.process_index() == 0
+    interactive = first and sys.stdin.isatty()
     while True:
         if interactive:
             print("question> ", end="", flush=True)
-        line = sys.stdin.readline()
+        # process 0 reads the question; every process answers it
+        line = sharding.broadcast_text(sys.stdin.readline() if first else "")
         if not line.strip():
             return 0
         answer(line.strip())

@@ -53,7 +53,7 @@ class FrozenIndex:
         _, t = pad_index(None, tokens, mesh)
         t = sharding.put_rows(t, mesh)
         emb = embed_blocks_fn(model, mesh, batch_size)(params, t)
-        host = np.asarray(jax.device_get(emb), np.float32)[: len(tokens)]
+        host = sharding.to_host(emb).astype(np.float32)[: len(tokens)]
         return cls(emb, t, len(tokens)), host
 
 
@@ -116,7 +116,7 @@ class Predictor:
         """(block ids [B, depth] int32, scores [B, depth]) from the configured retriever."""
         if self.retriever == "dense":
             ids, scores = self._search(params, q_ids, self.index.emb, self.index.tokens)
-            return np.asarray(ids), np.asarray(scores)
+            return sharding.to_host((ids, scores))
         real = [i for i, t in enumerate(questions) if t]  # the batch's padding rows stay 0
         ids = np.zeros((len(questions), self.depth), np.int32)
         scores = np.zeros((len(questions), self.depth), np.float32)
@@ -138,12 +138,14 @@ class Predictor:
             ids, scores = self._retrieve(params, [e.question for e in padded], q_ids)
             pred = None
             if read:
-                pred = jax.device_get(
+                pred = sharding.to_host(
                     self._predict(
                         params, q_ids, ids[:, : self.reader_beam], self.index.emb, self.index.tokens
                     )
                 )
-            has = np.array(self._has(ids, arrays["answer_ids"], self.index.tokens))  # writable
+            has = np.array(
+                sharding.to_host(self._has(ids, arrays["answer_ids"], self.index.tokens))
+            )
             for b, ex in enumerate(chunk):
                 if ex.is_regex:  # regex answers: search the blocks' text on the host
                     has[b] = [self._regex_in_block(ex.answers, j) for j in ids[b]]

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-import os
-
+from realm_jax import fs
 from realm_jax.config import ConfigError
 from realm_jax.sweep import runner, table
 from realm_jax.sweep.points import resolve_spec, sweep_points
 
 
 def command(args, overrides: list[str]) -> int:
-    """From cli.py's parsed arguments; `overrides` ("k=v") apply to every point."""
+    """From cli.py's parsed arguments; `overrides` ("k=v") apply to every point. The prefix
+    may be a gs:// URL (its bucket is checked before anything runs)."""
     if args.table:
         if args.table_only or args.dry_run or args.tpu:
             raise ConfigError("--table PREFIX only rewrites the table: no other sweep flag")
-        prefix = args.table
+        prefix = fs.abspath(args.table)
+        fs.check_buckets([prefix])
         runner.rewrite_table(prefix)
-        print(f"wrote {os.path.join(prefix, 'sweep.md')} and sweep.csv")
+        print(f"wrote {fs.join(prefix, 'sweep.md')} and sweep.csv")
         return 0
     if not args.workdir:
         raise ConfigError("sweep needs --workdir PREFIX (or --table PREFIX)")
     if args.table_only:
-        spec = resolve_spec(args.config)
-        os.makedirs(args.workdir, exist_ok=True)
-        table.save_plan(args.workdir, spec, overrides, sweep_points(spec, overrides))
-        runner.rewrite_table(args.workdir)
-        print(f"wrote {os.path.join(args.workdir, 'sweep.md')} and sweep.csv")
+        spec, prefix = resolve_spec(args.config), fs.abspath(args.workdir)
+        fs.check_buckets([prefix])
+        fs.makedirs(prefix)
+        table.save_plan(prefix, spec, overrides, sweep_points(spec, overrides))
+        runner.rewrite_table(prefix)
+        print(f"wrote {fs.join(prefix, 'sweep.md')} and sweep.csv")
         return 0
     if args.tpu:
         return runner.run_tpu(

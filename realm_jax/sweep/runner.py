@@ -8,6 +8,12 @@ config's own data.data_dir); then each point trains, its output streamed with a
 reached train.steps gets PREFIX/<point>/DONE (JSON: final step, metrics, wall time) and is
 skipped when the sweep is re-run; one that fails gets FAILED and the sweep goes on.
 PREFIX/sweep.md and sweep.csv are rewritten after every point (table.py).
+
+PREFIX may be a gs:// URL: the markers, sweep.json and the table are read and written through
+realm_jax.fs (each file whole), and the points' commands get the URL unchanged. A point's
+sweep.log is appended line by line as it runs, which an object store cannot do: with a gs://
+PREFIX it is kept on this machine (log_path()) and copied to PREFIX/<point>/sweep.log when the
+point ends.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from realm_jax import fs
 from realm_jax.config import ConfigError, load_config, validate
 from realm_jax.sweep import table
 from realm_jax.sweep.points import resolve_spec, sweep_points
@@ -37,10 +44,7 @@ def _now() -> str:
 
 
 def _write_json(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    fs.write_text(path, json.dumps(value, indent=2, sort_keys=True))
 
 
 def _minutes(seconds: float) -> str:
@@ -53,11 +57,19 @@ class Point:
 
     def __init__(self, name: str, overrides: list[str], config, prefix: str):
         self.name, self.overrides, self.config = name, overrides, config
-        self.workdir = os.path.join(prefix, name)
+        self.workdir = fs.join(prefix, name)
         self.data_dir = ""  # the prepared data it trains on (set by _data_groups)
 
     def done(self) -> bool:
-        return os.path.exists(os.path.join(self.workdir, table.DONE))
+        return fs.exists(fs.join(self.workdir, table.DONE))
+
+    def log_path(self) -> str:
+        """Where the point's output is appended while it runs: WORKDIR/sweep.log, or for a
+        gs:// workdir a local file under fs.cache_root()/sweep-logs/ (copied up at the end)."""
+        if not fs.is_remote(self.workdir):
+            return fs.join(self.workdir, "sweep.log")
+        rel = self.workdir.partition("://")[2]
+        return os.path.join(fs.cache_root(), "sweep-logs", *rel.split("/"), "sweep.log")
 
 
 def load_points(spec: str, prefix: str, extra: list[str]) -> list[Point]:
@@ -95,7 +107,7 @@ def _data_groups(points: list[Point], prefix: str) -> dict[str, list[Point]]:
         else:
             key = _data_key(p.config)
             suffix = "" if len(keys) == 1 else "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
-            p.data_dir = os.path.join(prefix, "data" + suffix)
+            p.data_dir = fs.join(prefix, "data" + suffix)
         groups.setdefault(p.data_dir, []).append(p)
     for folder, members in groups.items():
         differ = {_data_key(p.config) for p in members}
@@ -144,31 +156,36 @@ def _stream(cmd: list[str], label: str, log_path: str | None) -> int:
 
 def _train_point(p: Point, cmd: list[str], label: str) -> tuple[bool, float]:
     """Train one point; DONE (or FAILED) in its workdir says how it ended."""
-    os.makedirs(p.workdir, exist_ok=True)
+    fs.makedirs(p.workdir)
     for marker in (table.DONE, table.FAILED):
-        if os.path.exists(os.path.join(p.workdir, marker)):
-            os.remove(os.path.join(p.workdir, marker))
+        fs.remove(fs.join(p.workdir, marker))
+    log_path = p.log_path()
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
     start = time.time()
-    rc = _stream(cmd, label, os.path.join(p.workdir, "sweep.log"))
+    try:
+        rc = _stream(cmd, label, log_path)
+    finally:  # interrupted too: the log beside the run
+        if fs.is_remote(p.workdir):
+            fs.write_bytes(fs.join(p.workdir, "sweep.log"), fs.read_bytes(log_path))
     wall = time.time() - start
     record = {"name": p.name, "overrides": p.overrides, "returncode": rc, "wall_s": wall}
     record.update(finished=_now(), command=cmd)
-    mpath = metrics_path(p.workdir)
-    if os.path.exists(mpath):
-        with open(mpath, encoding="utf-8") as f:
-            record["metrics"] = json.load(f)
+    try:
+        record["metrics"] = json.loads(fs.read_bytes(metrics_path(p.workdir)))
         record["step"] = record["metrics"].get("step")
+    except FileNotFoundError:
+        pass
     ok = rc == 0 and record.get("metrics", {}).get("complete", True)
     if rc == 0 and not ok:  # a SIGTERM'd trainer checkpoints and exits 0 before train.steps
         record["error"] = f"stopped at step {record['step']} of {record['metrics']['steps']}"
-    _write_json(os.path.join(p.workdir, table.DONE if ok else table.FAILED), record)
+    _write_json(fs.join(p.workdir, table.DONE if ok else table.FAILED), record)
     return ok, wall
 
 
 def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False) -> int:
     """Prepare, then train every point not yet done; exit status 1 if any failed, 130 when
     interrupted (the point in progress stays pending: its trainer checkpointed)."""
-    spec, prefix = resolve_spec(spec), os.path.abspath(prefix)
+    spec, prefix = resolve_spec(spec), fs.abspath(prefix)
     points = load_points(spec, prefix, extra)
     groups = _data_groups(points, prefix)
     pending = [p for p in points if not p.done()]
@@ -186,11 +203,12 @@ def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False) -> int:
         for _, cmd in prepares + runs:
             print(shlex.join(cmd))
         return 0
-    os.makedirs(prefix, exist_ok=True)
+    fs.check_buckets([prefix])
+    fs.makedirs(prefix)
     table.save_plan(prefix, spec, extra, [(p.name, p.overrides) for p in points])
     status = {p.name: "skipped" for p in points if p not in pending}
     for name in status:
-        print(f"sweep: skipping {name}: {os.path.join(prefix, name, table.DONE)} exists")
+        print(f"sweep: skipping {name}: {fs.join(prefix, name, table.DONE)} exists")
     try:
         _run_points(points, prepares, runs, status, prefix)
     except KeyboardInterrupt:
@@ -200,7 +218,7 @@ def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False) -> int:
         return 130
     rewrite_table(prefix, status)
     failed = [name for name, s in status.items() if s == "failed"]
-    print(f"sweep: wrote {prefix}/sweep.md and sweep.csv", flush=True)
+    print(f"sweep: wrote {fs.join(prefix, 'sweep.md')} and sweep.csv", flush=True)
     if failed:
         print(f"sweep: failed points: {' '.join(failed)}", file=sys.stderr)
         return 1
@@ -212,17 +230,17 @@ def _run_points(points, prepares, runs, status: dict, prefix: str) -> None:
     with the progress and ETA after each point and the table rewritten."""
     unprepared = set()
     for folder, cmd in prepares:
-        if _stream(cmd, f"[prepare {os.path.basename(folder)}]", None) != 0:
+        if _stream(cmd, f"[prepare {fs.basename(folder)}]", None) != 0:
             print(f"sweep: preparing {folder} failed; its points fail", file=sys.stderr)
             unprepared.add(folder)
     t0, walls, n = time.time(), [], len(points)
     for k, (p, cmd) in enumerate(runs):
         i = points.index(p) + 1
         if p.data_dir in unprepared:
-            os.makedirs(p.workdir, exist_ok=True)
+            fs.makedirs(p.workdir)
             record = {"name": p.name, "overrides": p.overrides, "finished": _now()}
             record["error"] = f"preparing {p.data_dir} failed"
-            _write_json(os.path.join(p.workdir, table.FAILED), record)
+            _write_json(fs.join(p.workdir, table.FAILED), record)
             status[p.name] = "failed"
             continue
         print(f"sweep: point {i}/{n} {p.name}: {shlex.join(cmd)}", flush=True)
@@ -230,7 +248,7 @@ def _run_points(points, prepares, runs, status: dict, prefix: str) -> None:
         walls.append(wall)
         status[p.name] = "done" if ok else "failed"
         if not ok:
-            print(f"sweep: point {p.name} failed (log {p.workdir}/sweep.log)", file=sys.stderr)
+            print(f"sweep: point {p.name} failed (log {p.log_path()})", file=sys.stderr)
         left = sum(q.data_dir not in unprepared for q, _ in runs[k + 1 :])
         print(
             f"sweep: {k + 1}/{len(runs)} points run in {_minutes(time.time() - t0)}, "
@@ -260,6 +278,8 @@ def run_tpu(spec, prefix, extra, tpu, *, prepare=False, dry_run=False) -> int:
     cmd = [os.path.join(REPO, "tpu", "sweep.sh")]
     cmd += ["--dry-run"] * dry_run + ["--prepare"] * prepare
     cmd += [*tpu, prefix, spec, *(f"--config.{o}" for o in extra)]
-    if not dry_run and os.path.isdir(prefix):  # the shared filesystem is mounted here too
+    # gs://, or the shared filesystem mounted here too: record the plan for `sweep --table`
+    if not dry_run and (fs.is_remote(prefix) or os.path.isdir(prefix)):
+        fs.check_buckets([prefix])
         table.save_plan(prefix, spec, extra, points)
     return subprocess.call(cmd, cwd=REPO)

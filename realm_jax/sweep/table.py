@@ -6,7 +6,8 @@ and the latest held-out evaluation (WORKDIR/metrics.json, written by the trainin
 the wall time (the DONE or FAILED record the local runner writes). The CSV has every metric a
 run wrote; the markdown the ones its task prints on the console. PREFIX/sweep.json (the
 plan: config spec, common overrides, points) lets `sweep --table PREFIX` redo it later, e.g.
-after a TPU sweep, whose DONE files (tpu/sweep.sh's) hold only a date.
+after a TPU sweep, whose DONE files (tpu/sweep.sh's) hold only a date. PREFIX may be a gs://
+URL: every file here is read and written through realm_jax.fs, each written whole.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 
+from realm_jax import fs
 from realm_jax.config import ConfigError
 from realm_jax.workdir import metrics_path
 
@@ -28,42 +29,38 @@ def save_plan(prefix: str, spec: str, extra, points) -> None:
     """PREFIX/sweep.json: what the sweep runs, so its table can be rebuilt from disk."""
     plan = {"config": spec, "overrides": list(extra)}
     plan["points"] = [{"name": name, "overrides": list(o)} for name, o in points]
-    tmp = os.path.join(prefix, PLAN + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(plan, f, indent=2)
-    os.replace(tmp, os.path.join(prefix, PLAN))
+    fs.write_text(fs.join(prefix, PLAN), json.dumps(plan, indent=2))
 
 
 def load_plan(prefix: str) -> dict:
-    path = os.path.join(prefix, PLAN)
-    if not os.path.exists(path):
+    path = fs.join(prefix, PLAN)
+    try:
+        plan = json.loads(fs.read_bytes(path))
+    except FileNotFoundError:
         raise ConfigError(
             f"{path} not found: not a sweep's workdir prefix; pass --config FILE[:VARIANT] "
             f"--workdir {prefix} --table_only"
-        )
-    with open(path, encoding="utf-8") as f:
-        plan = json.load(f)
+        ) from None
     plan["points"] = [(p["name"], p["overrides"]) for p in plan["points"]]
     return plan
 
 
 def _read_json(path: str) -> dict | None:
     """A JSON record, {} for a marker that is not JSON (tpu/sweep.sh's DONE), None if absent."""
-    if not os.path.exists(path):
-        return None
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        value = json.loads(fs.read_bytes(path))
         return value if isinstance(value, dict) else {}
+    except FileNotFoundError:
+        return None
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
 
 
 def row(prefix: str, name: str, overrides, status: str | None = None) -> dict:
     """One point's row (values as read: numbers stay numbers)."""
-    workdir = os.path.join(prefix, name)
-    done = _read_json(os.path.join(workdir, DONE))
-    failed = _read_json(os.path.join(workdir, FAILED))
+    workdir = fs.join(prefix, name)
+    done = _read_json(fs.join(workdir, DONE))
+    failed = _read_json(fs.join(workdir, FAILED))
     if status is None:
         status = "done" if done is not None else "failed" if failed is not None else "pending"
     record = done if done is not None else failed or {}
@@ -153,7 +150,4 @@ def write(prefix: str, table: list[dict], plan: dict | None = None) -> None:
         common = " ".join(f"--config.{o}" for o in plan["overrides"])
         md = f"# Sweep `{plan['config']}`{f' `{common}`' if common else ''}\n\n" + md
     for name, text in (("sweep.md", md), ("sweep.csv", csv_text(table))):
-        tmp = os.path.join(prefix, name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(prefix, name))
+        fs.write_text(fs.join(prefix, name), text)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from realm_jax import checkpoint, fs, sharding
+from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.lock import workdir_lock
 from realm_jax.train.metrics import MetricWriter, Progress, line
@@ -127,7 +127,13 @@ def init_or_resume(mgr, state, shardings, it, data_args, *, fingerprint=None):
     `fingerprint` (fingerprint(config, data_dir)) is checked against the checkpoint's before
     it is restored (checkpoint.CheckpointMismatch when the config or the data changed) and
     recorded in every checkpoint this run saves. A damaged newest checkpoint is moved aside and
-    the run resumes from the one before (checkpoint.restore_latest)."""
+    the run resumes from the one before (checkpoint.restore_latest).
+
+    The checkpoint may have been written by another number of JAX processes (a pod slice with
+    another host count): orbax reshards the state onto this run's mesh, and the data iterator
+    is re-sharded at the checkpoint's global batch (`data_args` of data/pipeline.py: the global
+    batches do not depend on the process count), so the run goes on with the batches an
+    uninterrupted run would have had."""
     save_args, restore_args = data_args
     if fingerprint is not None:
         mgr.fingerprint = fingerprint  # every later checkpoint.save records it
@@ -272,7 +278,7 @@ def run(
             at_log = step % tc.log_every == 0 or step == tc.steps
             at_save = step % tc.checkpoint_every == 0 or step == tc.steps
             if at_log or at_save:  # the host reads the metrics only here
-                last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                last = {k: float(v) for k, v in sharding.to_host(metrics).items()}
                 _check_finite(last, step, tc.max_nonfinite, mgr)
             if at_log:
                 last.update(extra)
@@ -288,12 +294,18 @@ def run(
                 evaluate(step)
             if tc.preemption_save and stop.any_process():
                 log.warning(
-                    "stop requested (signal %s): saving checkpoint %d and exiting",
+                    "stop requested (signal %s): %s checkpoint %d and exiting",
                     stop.signum,
+                    "saved" if at_save else "saving",
                     step,
                 )
-                checkpoint.save(mgr, step, state, save_args(it), force=True)
+                if not at_save:  # saving the same step twice raises StepAlreadyExistsError
+                    checkpoint.save(mgr, step, state, save_args(it), force=True)
                 break
+    except Exception as e:  # multi-process: a peer that died shows up as a failed collective
+        if (message := runtime.peer_lost_message(e)) is not None:
+            log.error(message)
+        raise
     finally:
         mgr.wait_until_finished()
         writer.close()

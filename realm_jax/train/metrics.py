@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import struct
 import time
 
 import jax
@@ -43,6 +45,28 @@ class MetricWriter:
         if self.writer is not None:
             self.writer.close()
             self.writer = None  # a gs:// record writer uploads once more when collected
+
+
+def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from every event file under <workdir>/tb, local or gs:// (the
+    newest file's value of a (tag, step) wins: a resumed run rewrites the steps after its
+    checkpoint). TFRecord framing: u64 length, u32 crc, payload, u32 crc."""
+    from tensorboardX.proto import event_pb2
+
+    tb = fs.join(fs.abspath(workdir), "tb")
+    files = sorted(n for n in fs.listdir(tb) if n.startswith("events.out.tfevents."))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event files in {tb}")
+    out: dict[str, dict[int, float]] = collections.defaultdict(dict)
+    for name in files:  # names start with the writer's start time: oldest first
+        data, pos = fs.read_bytes(fs.join(tb, name)), 0
+        while pos + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out[v.tag][int(event.step)] = float(v.simple_value)
+    return dict(out)
 
 
 def format_seconds(s: float) -> str:

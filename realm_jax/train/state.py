@@ -92,7 +92,9 @@ def create_sharded(
     shardings = sharding.logical_shardings(mesh, jax.eval_shape(init, rng), fsdp)
     state = nn.meta.unbox(jax.jit(init, out_shardings=shardings)(rng))
     if params_hook is not None:
-        params = jax.device_put(params_hook(jax.device_get(state.params)), shardings.params)
+        # on several processes each runs the hook on the same (gathered) host values, and
+        # device_put keeps each process's own shards of them
+        params = jax.device_put(params_hook(sharding.to_host(state.params)), shardings.params)
         opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
         state = state.replace(params=params, opt_state=opt)
     return state, shardings

@@ -5,13 +5,12 @@ every task (resume > warm start > scratch)."""
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import ml_collections
 from flax import linen as nn
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.index.corpus import abstract_params
 from realm_jax.model import hf_import as weights
@@ -84,21 +83,23 @@ def realm_params(path: str, config) -> dict:
     mgr = _read_only_manager(path, "model.init_from_realm", "`realm-jax train` (REALM)")
     step = mgr.latest_step()
     one = ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (1, 1)})
-    mesh = sharding.make_mesh(one, devices=jax.devices()[:1])
+    mesh = sharding.make_mesh(one, devices=jax.local_devices()[:1])
     ecfg = ModelConfig.from_config(config.model, "embedder")
     out = {}
     for name in dict.fromkeys(("query_embedder", doc_embedder_name(ecfg), "reader")):
         _, target = abstract_params(config, mesh, name)
         if name == "reader":  # pre-training never trains the span head: it starts afresh,
             target = {k: v for k, v in target.items() if k != "span"}  # any size (ORQA too)
-        out[name] = jax.device_get(checkpoint.restore_params_subtree(mgr, step, name, target))
+        out[name] = sharding.to_host(checkpoint.restore_params_subtree(mgr, step, name, target))
     log.info("warm start: all three networks from REALM checkpoint %d in %s", step, path)
     return out
 
 
 def _read_only_manager(path: str, field: str, what: str):
-    """A read-only manager over a run's checkpoints; a clear error when it has none."""
-    if not os.path.isdir(paths.checkpoint_dir(path)):
+    """A read-only manager over a run's checkpoints (a local or gs:// workdir: orbax reads
+    either); a clear error when the bucket, the folder or a checkpoint is missing."""
+    fs.check_buckets([path])
+    if not fs.isdir(paths.checkpoint_dir(path)):
         raise FileNotFoundError(
             f"{field}={path!r}: no checkpoints folder there (give the workdir of a {what} run)"
         )
@@ -123,7 +124,7 @@ def restore_embedders(mgr, step: int, ecfg: ModelConfig) -> dict:
     """{name: host params} of the embedders in checkpoint `step` (a REALM warm start)."""
 
     one = ml_collections.ConfigDict({"axes": ("data", "model"), "shape": (1, 1)})
-    mesh = sharding.make_mesh(one, devices=jax.devices()[:1])
+    mesh = sharding.make_mesh(one, devices=jax.local_devices()[:1])
     model = RetrieverModel(ecfg)
 
     t = dummy_input(8)  # parameter shapes do not depend on the input length
@@ -133,5 +134,5 @@ def restore_embedders(mgr, step: int, ecfg: ModelConfig) -> dict:
     for name in nn.meta.unbox(boxed):
         target = checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])
         # shapes from this run's embedder config: it must match the ICT run's architecture
-        out[name] = jax.device_get(checkpoint.restore_params_subtree(mgr, step, name, target))
+        out[name] = sharding.to_host(checkpoint.restore_params_subtree(mgr, step, name, target))
     return out
