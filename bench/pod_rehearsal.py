@@ -6,7 +6,9 @@ Every multi-host command runs as 2 `jax.distributed` processes x 2 fake CPU devi
 of a slice), each process with its own cache folder (a host's disk). The workdirs, the data
 dir, the corpus, the question file and the BERT weights (../shared's bert-tiny, when there)
 live on gs:// in fake-gcs-server (memory backend), started on a free loopback port. The
-reference chain runs every stage as 1 process x 4 devices on local disk.
+reference chain runs every stage as 1 process x 4 devices on local disk, starting from a local
+copy of the checkpoints the pod chain's previous stage wrote (so each stage is compared on its
+own: the prepared records are compared first and are identical).
 
     prepare   Beam's local runner into the gs:// data dir   vs in process, locally: every record
     ict       2 x 2, held-out evaluation on                  vs 1 x 4: losses, recall@k

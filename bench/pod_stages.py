@@ -120,6 +120,18 @@ def _curve_row(stage, pod_dir, ref_dir, wall, tags=("loss",)) -> Row:
     )
 
 
+def _from_pod(plan: Plan, name: str) -> str:
+    """A local copy of the pod chain's workdir `name` (its checkpoints): the reference stage
+    starts from the same weights as the pod stage, so each stage is compared on its own
+    (differences of ~1e-6 from an earlier stage would otherwise add up along the chain)."""
+    local = plan.ref(f"from-pod/{name}")
+    if not os.path.isdir(local):
+        src = plan.pod(name)
+        rels = [r for r in fs.walk_files(src) if r.startswith("checkpoints/")]
+        fs.download_tree(src, local, rels)
+    return local
+
+
 # ------------------------------------------------------------------------------- stages
 
 
@@ -294,7 +306,7 @@ def stage_realm(plan: Plan) -> list[Row]:
             plan,
             plan.ref("realm"),
             plan.ref("run/data"),
-            plan.ref("ict"),
+            _from_pod(plan, "ict"),
             plan.weights,
             "inprocess",
         ),
@@ -412,7 +424,11 @@ def stage_finetune(plan: Plan) -> list[Row]:
             plan, plan.pod("qa"), plan.pod("run/data"), plan.pod("realm"), f"{GS}/input/qa.jsonl"
         ),
         _qa_args(
-            plan, plan.ref("qa"), plan.ref("run/data"), plan.ref("realm"), f"{SAMPLE}/qa.jsonl"
+            plan,
+            plan.ref("qa"),
+            plan.ref("run/data"),
+            _from_pod(plan, "realm"),
+            f"{SAMPLE}/qa.jsonl",
         ),
     )
     return [
@@ -428,7 +444,14 @@ def stage_finetune(plan: Plan) -> list[Row]:
 
 def _eval_args(plan: Plan, workdir: str, data_dir: str, questions: str, out: str) -> list[str]:
     args = _qa_args(plan, workdir, data_dir, "", questions)
-    return ["evaluate", *args[1:], f"--questions={questions}", f"--output={out}"]
+    limit = 64 if plan.quick else 512  # the first N questions of the file
+    return [
+        "evaluate",
+        *args[1:],
+        f"--questions={questions}",
+        f"--output={out}",
+        f"--limit={limit}",
+    ]
 
 
 def stage_evaluate(plan: Plan) -> list[Row]:

@@ -226,7 +226,8 @@ def _sweep_arguments(s: argparse.ArgumentParser) -> None:
         "--tpu",
         nargs=2,
         metavar=("NAME", "ZONE"),
-        help="launch the points on this TPU VM through tpu/sweep.sh (PREFIX: a shared mount)",
+        help="launch the points on this TPU VM through tpu/sweep.sh (PREFIX: gs:// or a "
+        "shared mount)",
     )
     s.add_argument(
         "--prepare",

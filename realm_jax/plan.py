@@ -507,14 +507,19 @@ def plan(config, target: Target, num_blocks: int, source: str = "") -> tuple[dic
 
 
 def command(config, args) -> int:
+    """`realm-jax plan`: the report on the console, and with --json the same figures in a
+    file, local or gs:// (written whole through realm_jax.fs)."""
+    from realm_jax import fs  # lazy, as the rest: the module stays light to import
+
     target = parse_target(args.topology, args.hbm_gib)
+    if args.json:  # a missing bucket fails now, not after minutes of compiling
+        fs.check_buckets([args.json])
     n, source = num_blocks_for(config, args.workdir, args.num_blocks)
     head, results = plan(config, target, n, source)
     head["config"] = args.config
     print(format_report(head, results), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": head, "programs": results}, f, indent=1)
+        fs.write_text(args.json, json.dumps({"header": head, "programs": results}, indent=1))
     over = [r["program"] for r in results if not r["fits"]]
     if over:
         raise PlanError(f"{', '.join(over)} does not fit {target.name}'s HBM (see above)")

@@ -43,6 +43,20 @@ def heartbeat_timeout() -> int:
     return int(raw)
 
 
+def mark_absl_flags_parsed() -> None:
+    """Mark absl's flags parsed (at their defaults) unless something parsed them already.
+
+    grain reads absl flags of its own (--grain_enable_multiprocess_worker_profiling, ...) when
+    a DataLoader with data.worker_count > 0 starts its worker processes; realm-jax parses its
+    command line with argparse, never absl, and reading an unparsed absl flag raises
+    UnparsedFlagAccessError, so every run with grain workers failed as its data iterator
+    started. The defaults are what a program with no absl command line gets."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 def setup(args) -> None:
     """From the CLI's common flags: --verbose, --cpu_devices, --coordinator/--num_processes/
     --process_id (explicit clusters; gloo collectives on CPU) or --multihost (TPU pods)."""
@@ -53,6 +67,7 @@ def setup(args) -> None:
     )
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    mark_absl_flags_parsed()
     if args.cpu_devices:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax

@@ -14,10 +14,14 @@
 # repo's .venv or python3), which applies every point to the config first, so a misspelt key
 # fails here and not an hour into the sweep. Each point is started with
 # `tpu/launch.sh --wait --run P`, i.e. the next starts when the previous trainers exit.
-# Points whose WORKDIR_PREFIX/P/DONE exists (written after a successful run) are skipped, so
-# a sweep can be re-run after a failure. Set LAUNCH_FLAGS (e.g. "--no-refresh") for launch.sh.
+# A point that ends with exit status 0 at train.steps gets WORKDIR_PREFIX/P/DONE, any other
+# FAILED (JSON: step, metrics, wall time); points whose DONE exists are skipped, so a sweep can
+# be re-run after a failure. The markers are read and written here through realm_jax.fs
+# (`python -m realm_jax.sweep.markers`, with the same python), so a gs:// prefix needs no
+# mount; a shared-filesystem prefix gets them only where it is mounted on this machine too.
+# Set LAUNCH_FLAGS (e.g. "--no-refresh") for launch.sh.
 # `python -m realm_jax sweep --tpu NAME ZONE --config CONFIG --workdir WORKDIR_PREFIX` runs this
-# script (and records the points in WORKDIR_PREFIX/sweep.json when it is mounted locally);
+# script (and records the points in WORKDIR_PREFIX/sweep.json: gs://, or mounted locally);
 # `python -m realm_jax sweep --table WORKDIR_PREFIX` then tables the finished points.
 set -euo pipefail
 
@@ -49,6 +53,10 @@ if [[ -z "$python" ]]; then
   if [[ -x "$repo_root/.venv/bin/python" ]]; then python=$repo_root/.venv/bin/python; else python=python3; fi
 fi
 read -r -a launch_flags <<< "${LAUNCH_FLAGS:-}"
+marker() {  # marker done|finish WORKDIR [...]: a point's DONE/FAILED, local or gs:// (fs.py)
+  (cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" -m realm_jax.sweep.markers "$@" </dev/null)
+}
 
 # NAME<TAB>--config.a=b --config.c=d, one line per point (fails on a bad point).
 points=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" \
@@ -78,15 +86,26 @@ while IFS=$'\t' read -r point overrides_line; do
     continue
   fi
   echo "=== sweep point $i/$n: $point"
-  if [[ -e "$workdir/DONE" ]]; then
+  seen=0  # 0: DONE exists, 3: it does not, else an error (realm_jax/sweep/markers.py)
+  marker done "$workdir" || seen=$?
+  if (( seen == 0 )); then
     echo "skipping $point: $workdir/DONE exists"
     continue
+  elif (( seen != 3 )); then  # e.g. the bucket is unreachable: so would the run's workdir be
+    echo "tpu/sweep.sh: error: cannot tell whether $point is done (above)" >&2
+    exit 2
   fi
-  if "${cmd[@]}" </dev/null; then
-    # Mark the point done, if the shared filesystem is mounted here too.
-    if [[ -d "$workdir" ]]; then date -u +%FT%TZ > "$workdir/DONE"; fi
-  else
-    echo "sweep point $point failed; continuing with the next" >&2
+  start=$SECONDS rc=0
+  "${cmd[@]}" </dev/null || rc=$?
+  ended=0  # 0: DONE written, 3: FAILED written, else no marker
+  marker finish "$workdir" --name "$point" --returncode "$rc" --wall_s $((SECONDS - start)) ||
+    ended=$?
+  if (( ended != 0 && ended != 3 )); then
+    echo "tpu/sweep.sh: warning: no DONE/FAILED marker for $point (above): a re-run runs it again" >&2
+    ended=$(( rc == 0 ? 0 : 3 ))
+  fi
+  if (( ended == 3 )); then
+    echo "sweep point $point did not finish (exit status $rc); continuing with the next" >&2
     failed+=("$point")
   fi
 done <<< "$points"

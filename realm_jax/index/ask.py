@@ -2,16 +2,15 @@
 
 The query embedder comes from the newest checkpoint (a partial restore); the search runs on
 the host with the index's serialised ScaNN searcher (exact numpy search when none was built).
+The workdir may be gs://: every path here goes through realm_jax.fs.
 """
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.data import prepared
 from realm_jax.index import store
@@ -40,7 +39,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     top_k = min(top_k, prepared.load_summary(ddir)["counts"]["blocks"])  # never pad rows
     found = store.latest_valid(paths.index_dir(workdir))
     if found is None:
-        trained = os.path.isdir(paths.checkpoint_dir(workdir)) and (
+        trained = fs.isdir(paths.checkpoint_dir(workdir)) and (
             checkpoint.manager(workdir, with_data=False, read_only=True).latest_step() is not None
         )
         hint = (
@@ -55,8 +54,8 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     model, params = _query_params(config, workdir, mesh)
     ids = encode_query(question, config.data.query_len)[None]
     q = sharding.to_host(embed_query_tokens(model, {"query_embedder": params}, ids))
-    scann_dir = os.path.join(path, "scann")
-    if os.path.isdir(scann_dir):
+    scann_dir = fs.join(path, store.SCANN_DIR)  # on gs:// load_searcher downloads it first
+    if fs.isdir(scann_dir):
         from realm_jax.index import scann as scann_index
 
         hits, scores = scann_index.search(scann_index.load_searcher(scann_dir), q, top_k)

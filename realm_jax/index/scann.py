@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from typing import Any
 
 import numpy as np
+
+from realm_jax import fs
 
 # Below this many blocks ScaNN searches exactly. A tree of sqrt(N) leaves has about sqrt(N)
 # points per leaf, and ScaNN's k-means wants >= 50 per leaf (its min_partition_size) to train
@@ -114,18 +117,36 @@ def build_searcher(embeddings: np.ndarray, k: int = 10, **params: int) -> Any:
 
 
 def save_searcher(searcher: Any, directory: str) -> None:
-    """Serialise with paths relative to `directory`, so the directory can be renamed/moved."""
-    os.makedirs(directory, exist_ok=True)
-    searcher.serialize(directory, relative_path=True)
+    """Serialise with paths relative to `directory`, so the directory can be renamed/moved.
+    `directory` may be gs://: ScaNN writes local files only, so they are written into a local
+    temp folder first and then uploaded."""
+    if not fs.is_remote(directory):
+        os.makedirs(directory, exist_ok=True)
+        searcher.serialize(directory, relative_path=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="realm-scann-") as local:
+        searcher.serialize(local, relative_path=True)
+        fs.upload_tree(local, directory)
 
 
 def load_searcher(directory: str) -> Any:
-    """Load a searcher saved by save_searcher. Refuses pickled docids (never unpickle)."""
-    if os.path.exists(os.path.join(directory, "scann_docids.pkl")):
+    """Load a searcher saved by save_searcher. Refuses pickled docids (never unpickle).
+
+    `directory` may be gs://: ScaNN reads local files only, so the folder is downloaded into a
+    temp folder under fs.cache_root() (the disk the other remote inputs are copied to; a
+    searcher keeps the full embeddings for re-scoring, GiBs at Wikipedia scale), loaded, and
+    deleted: the searcher holds everything in memory once loaded, and each index version is
+    read once by a one-shot command (`ask`), so a kept copy would only pile up."""
+    if fs.exists(fs.join(directory, "scann_docids.pkl")):
         raise ValueError(f"{directory}: holds a pickled docid map; refusing to unpickle it")
-    if not os.path.isfile(os.path.join(directory, "scann_assets.pbtxt")):
+    if not fs.isfile(fs.join(directory, "scann_assets.pbtxt")):
         raise FileNotFoundError(f"{directory}: no scann_assets.pbtxt (not a saved searcher)")
-    return _scann().load_searcher(directory, assets_backcompat_shim=False)
+    if not fs.is_remote(directory):
+        return _scann().load_searcher(directory, assets_backcompat_shim=False)
+    os.makedirs(fs.cache_root(), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="scann-", dir=fs.cache_root()) as local:
+        fs.download_tree(directory, local, list(fs.walk_files(directory)))
+        return _scann().load_searcher(local, assets_backcompat_shim=False)
 
 
 def search(

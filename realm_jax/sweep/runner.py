@@ -18,7 +18,6 @@ point ends.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -29,18 +28,14 @@ import time
 
 from realm_jax import fs
 from realm_jax.config import ConfigError, load_config, validate
-from realm_jax.sweep import table
+from realm_jax.sweep import markers, table
 from realm_jax.sweep.points import resolve_spec, sweep_points
-from realm_jax.workdir import data_dir, metrics_path
+from realm_jax.workdir import data_dir
 
 # The command that trains a config's task (cli.TASK_COMMANDS): REALM's `local` runs the
 # refresh job beside the trainer (none with refresh.mode=inprocess).
 RUN_COMMAND = {"realm": "local", "ict": "train", "qa": "finetune"}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -61,7 +56,7 @@ class Point:
         self.data_dir = ""  # the prepared data it trains on (set by _data_groups)
 
     def done(self) -> bool:
-        return fs.exists(fs.join(self.workdir, table.DONE))
+        return markers.is_done(self.workdir)
 
     def log_path(self) -> str:
         """Where the point's output is appended while it runs: WORKDIR/sweep.log, or for a
@@ -136,7 +131,7 @@ def _stream(cmd: list[str], label: str, log_path: str | None) -> int:
     log = open(log_path, "a", encoding="utf-8") if log_path else None
     try:
         if log:
-            log.write(f"# {_now()} {shlex.join(cmd)}\n")
+            log.write(f"# {markers.now()} {shlex.join(cmd)}\n")
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
         )
@@ -168,18 +163,8 @@ def _train_point(p: Point, cmd: list[str], label: str) -> tuple[bool, float]:
         if fs.is_remote(p.workdir):
             fs.write_bytes(fs.join(p.workdir, "sweep.log"), fs.read_bytes(log_path))
     wall = time.time() - start
-    record = {"name": p.name, "overrides": p.overrides, "returncode": rc, "wall_s": wall}
-    record.update(finished=_now(), command=cmd)
-    try:
-        record["metrics"] = json.loads(fs.read_bytes(metrics_path(p.workdir)))
-        record["step"] = record["metrics"].get("step")
-    except FileNotFoundError:
-        pass
-    ok = rc == 0 and record.get("metrics", {}).get("complete", True)
-    if rc == 0 and not ok:  # a SIGTERM'd trainer checkpoints and exits 0 before train.steps
-        record["error"] = f"stopped at step {record['step']} of {record['metrics']['steps']}"
-    _write_json(fs.join(p.workdir, table.DONE if ok else table.FAILED), record)
-    return ok, wall
+    record = {"name": p.name, "overrides": p.overrides, "wall_s": wall, "command": cmd}
+    return markers.finish(p.workdir, record, rc), wall  # as tpu/sweep.sh's points end
 
 
 def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False) -> int:
@@ -238,7 +223,7 @@ def _run_points(points, prepares, runs, status: dict, prefix: str) -> None:
         i = points.index(p) + 1
         if p.data_dir in unprepared:
             fs.makedirs(p.workdir)
-            record = {"name": p.name, "overrides": p.overrides, "finished": _now()}
+            record = {"name": p.name, "overrides": p.overrides, "finished": markers.now()}
             record["error"] = f"preparing {p.data_dir} failed"
             _write_json(fs.join(p.workdir, table.FAILED), record)
             status[p.name] = "failed"

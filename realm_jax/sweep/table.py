@@ -3,11 +3,12 @@
 One row per point: its name and overrides, its status (done, failed, skipped: done before
 this sweep ran, pending: not run or not finished), the final step, the final train metrics
 and the latest held-out evaluation (WORKDIR/metrics.json, written by the training loop) and
-the wall time (the DONE or FAILED record the local runner writes). The CSV has every metric a
-run wrote; the markdown the ones its task prints on the console. PREFIX/sweep.json (the
-plan: config spec, common overrides, points) lets `sweep --table PREFIX` redo it later, e.g.
-after a TPU sweep, whose DONE files (tpu/sweep.sh's) hold only a date. PREFIX may be a gs://
-URL: every file here is read and written through realm_jax.fs, each written whole.
+the wall time (the DONE or FAILED record the local runner and tpu/sweep.sh write: markers.py).
+The CSV has every metric a run wrote; the markdown the ones its task prints on the console.
+PREFIX/sweep.json (the plan: config spec, common overrides, points) lets `sweep --table
+PREFIX` redo it later, e.g. after a TPU sweep (older tpu/sweep.sh DONE files hold only a
+date). PREFIX may be a gs:// URL: every file here is read and written through realm_jax.fs,
+each written whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from realm_jax import fs
 from realm_jax.config import ConfigError
 from realm_jax.workdir import metrics_path
 
-DONE = "DONE"  # a finished point (tpu/sweep.sh skips on the same name)
+DONE = "DONE"  # a finished point (markers.py; tpu/sweep.sh skips it too)
 FAILED = "FAILED"  # the last run of the point failed
 PLAN = "sweep.json"
 
@@ -46,7 +47,8 @@ def load_plan(prefix: str) -> dict:
 
 
 def _read_json(path: str) -> dict | None:
-    """A JSON record, {} for a marker that is not JSON (tpu/sweep.sh's DONE), None if absent."""
+    """A JSON record, {} for a marker that is not JSON (an older tpu/sweep.sh's DONE: a date),
+    None if absent."""
     try:
         value = json.loads(fs.read_bytes(path))
         return value if isinstance(value, dict) else {}

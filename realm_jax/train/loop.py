@@ -11,6 +11,8 @@ import functools
 import io
 import json
 import logging
+import os
+import shutil
 import signal
 import threading
 from collections.abc import Callable
@@ -203,19 +205,68 @@ def _console(prefix: str, step: int, total: int, values: dict, keys, prog: dict)
     return prefix + line(step, total, shown, prog)
 
 
-def _example_ids_log(config, workdir: str):
-    """The open file train.record_example_ids appends to (None when off): one JSON line per
-    step, {"step": s, "example_ids": [...]}, the ids of the prepared examples step s trained
-    on (process 0's share), taken from the host batch so it costs no device sync. A resumed
-    run appends the steps it redoes again: the last line of a step is what it trained on."""
+class _ExampleIdsLog:
+    """train.record_example_ids' file: appended a line a step, flushed at once (a kill -9
+    loses at most that line). On a gs:// workdir, where an object cannot be appended to, the
+    lines go to a local copy (fs.cache_root()/example-ids/<bucket>/<folder>/) that starts as
+    the bucket's file (so a run resumed on another host, or after a host's disk is gone, goes
+    on from it) and is uploaded whole, replacing the object, at every checkpoint save and when
+    the run ends. A kill then loses the lines since the last save, which the resumed run
+    trains and records again anyway (its checkpoint is at most that new). Refusing gs:// would
+    take the record from exactly the runs it is for: pod runs, resumed on another host count.
+    The upload rewrites the whole file, fine for the drills and data-order checks it serves;
+    an upload that fails is logged and retried at the next save, not fatal to the run."""
+
+    def __init__(self, path: str):
+        self.remote = path if fs.is_remote(path) else None
+        self.local = path
+        if self.remote is not None:
+            rel = path.partition("://")[2]
+            self.local = os.path.join(fs.cache_root(), "example-ids", *rel.split("/"))
+            os.makedirs(os.path.dirname(self.local), exist_ok=True)
+            try:
+                with fs.open(path, "rb") as src, open(self.local, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 22)
+            except FileNotFoundError:  # the first run in this workdir
+                open(self.local, "wb").close()
+        self.file = open(self.local, "ab+")  # appends; reads follow seek
+        if self.file.seek(0, io.SEEK_END) > 0:
+            self.file.seek(-1, io.SEEK_END)
+            # a line cut by a kill stays alone, never joins the next one
+            if self.file.read(1) != b"\n":
+                self.file.write(b"\n")
+        self.file.flush()
+
+    def write(self, step: int, example_ids) -> None:
+        record = {"step": step, "example_ids": example_ids.tolist()}
+        self.file.write(json.dumps(record).encode() + b"\n")
+        self.file.flush()  # one write(2): a kill -9 loses at most this line
+
+    def upload(self) -> None:
+        """The local copy to the gs:// file, whole (nothing to do for a local workdir)."""
+        if self.remote is None:
+            return
+        self.file.flush()
+        try:
+            with open(self.local, "rb") as src, fs.open(self.remote, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)  # visible, whole, at close
+        except Exception as e:  # the record must not end the run: the next save retries
+            log.warning("could not upload %s to %s: %s", self.local, self.remote, e)
+
+    def close(self) -> None:
+        self.upload()
+        self.file.close()
+
+
+def _example_ids_log(config, workdir: str) -> _ExampleIdsLog | None:
+    """What train.record_example_ids appends to (None when off): one JSON line per step,
+    {"step": s, "example_ids": [...]}, the ids of the prepared examples step s trained on
+    (process 0's share), taken from the host batch so it costs no device sync. A resumed run
+    appends the steps it redoes again: the last line of a step is what it trained on. The
+    workdir may be gs:// (_ExampleIdsLog: a local copy uploaded at each checkpoint save)."""
     if not config.train.get("record_example_ids", False) or jax.process_index() != 0:
         return None
-    f = open(paths.example_ids_path(workdir), "ab+")  # appends; reads follow seek
-    if f.seek(0, io.SEEK_END) > 0:
-        f.seek(-1, io.SEEK_END)
-        if f.read(1) != b"\n":  # a line cut by a kill stays alone, never joins the next one
-            f.write(b"\n")
-    return f
+    return _ExampleIdsLog(paths.example_ids_path(workdir))
 
 
 def run(
@@ -272,9 +323,7 @@ def run(
             state, metrics = task.step(state, batch)
             step += 1
             if ids_log is not None and example_ids is not None:
-                record = {"step": step, "example_ids": example_ids.tolist()}
-                ids_log.write(json.dumps(record).encode() + b"\n")
-                ids_log.flush()  # one write(2): a kill -9 loses at most this line
+                ids_log.write(step, example_ids)
             at_log = step % tc.log_every == 0 or step == tc.steps
             at_save = step % tc.checkpoint_every == 0 or step == tc.steps
             if at_log or at_save:  # the host reads the metrics only here
@@ -290,6 +339,8 @@ def run(
                     print(_console("", step, tc.steps, last, task.console_keys, prog), flush=True)
             if at_save:
                 checkpoint.save(mgr, step, state, save_args(it))
+                if ids_log is not None:  # on gs://: the ids up to this checkpoint, uploaded
+                    ids_log.upload()
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps):
                 evaluate(step)
             if tc.preemption_save and stop.any_process():
@@ -301,7 +352,7 @@ def run(
                 )
                 if not at_save:  # saving the same step twice raises StepAlreadyExistsError
                     checkpoint.save(mgr, step, state, save_args(it), force=True)
-                break
+                break  # ids_log is uploaded by its close() below
     except Exception as e:  # multi-process: a peer that died shows up as a failed collective
         if (message := runtime.peer_lost_message(e)) is not None:
             log.error(message)
