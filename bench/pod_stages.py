@@ -114,7 +114,7 @@ def _curve_row(stage, pod_dir, ref_dir, wall, tags=("loss",)) -> Row:
         stage,
         "2x2 gs:// / 1x4 local",
         wall,
-        f"{', '.join(tags)} to {LOSS_TOL:g}",
+        f"{', '.join(tags)} to {LOSS_TOL:g} (relative above 1)",
         ok,
         "; ".join(results),
     )

@@ -16,22 +16,7 @@ from realm_jax import config as config_lib
 # on any other inherited train field): the same AdamW and loop settings as REALM (ORQA's ICT
 # uses BERT's optimizer too). Everything else that shapes what ICT trains is set below: a
 # REALM-only setting (the squad recipe's train.embedder_lr_scale=0.1) once leaked into ICT.
-INHERITED = (
-    "train.weight_decay",
-    "train.grad_clip",
-    "train.adam_b1",
-    "train.adam_b2",
-    "train.adam_eps",
-    "train.seed",
-    "train.log_every",
-    "train.keep_checkpoints",
-    "train.eval_batch_size",
-    "train.preemption_save",
-    "train.max_nonfinite",
-    "train.record_example_ids",
-    "train.num_candidates",  # REALM's; ICT does not read it
-    "train.mlm_vocab_chunk",  # REALM's; ICT does not read it
-)
+INHERITED = config_lib.SHARED_TRAIN_FIELDS + ("train.log_every", "train.eval_batch_size")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

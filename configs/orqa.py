@@ -17,20 +17,7 @@ from realm_jax import config as config_lib
 
 # train.* fields taken from configs/realm.py's variant on purpose (tests/test_configs.py fails
 # on any other inherited train field): the same AdamW and loop settings as pre-training.
-INHERITED = (
-    "train.weight_decay",
-    "train.grad_clip",
-    "train.adam_b1",
-    "train.adam_b2",
-    "train.adam_eps",
-    "train.seed",
-    "train.keep_checkpoints",
-    "train.preemption_save",
-    "train.max_nonfinite",
-    "train.record_example_ids",
-    "train.num_candidates",  # REALM's; fine-tuning reads qa.* beams instead
-    "train.mlm_vocab_chunk",  # REALM's MLM head; fine-tuning has none
-)
+INHERITED = config_lib.SHARED_TRAIN_FIELDS
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -49,6 +49,26 @@ def _load_module(path: str):
     return module
 
 
+# train.* fields a task config (configs/ict.py, configs/orqa.py) takes from configs/realm.py's
+# variant on purpose: the same AdamW and loop settings, and two REALM-only fields the task does
+# not read. Each task config lists these and any others in its INHERITED tuple;
+# tests/test_configs.py fails on a train field inherited without being listed.
+SHARED_TRAIN_FIELDS = (
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.adam_b1",
+    "train.adam_b2",
+    "train.adam_eps",
+    "train.seed",
+    "train.keep_checkpoints",
+    "train.preemption_save",
+    "train.max_nonfinite",
+    "train.record_example_ids",
+    "train.num_candidates",  # REALM's candidates: ICT and fine-tuning do not read it
+    "train.mlm_vocab_chunk",  # REALM's MLM head: ICT and fine-tuning have none
+)
+
+
 def sibling_config(config_file: str, name: str, arg: str | None) -> ml_collections.ConfigDict:
     """get_config(arg) of the config file `name` beside `config_file`: a task's config
     (configs/ict.py, configs/orqa.py) builds on configs/realm.py's variant this way."""

