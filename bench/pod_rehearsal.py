@@ -70,7 +70,21 @@ def main(argv=None) -> int:
         help="local folder for the reference chain, logs and host caches (wiped)",
     )
     p.add_argument("--no-doc", action="store_true", help="do not write docs/reliability.md")
+    p.add_argument(
+        "--redoc",
+        action="store_true",
+        help="only rewrite the doc section from ROOT/rehearsal.json (a finished run)",
+    )
     args = p.parse_args(argv)
+    if args.redoc:
+        with open(os.path.join(args.root, "rehearsal.json")) as f:
+            done = json.load(f)
+        rows = [S.Row(**r) for r in done["rows"]]
+        plan = S.Plan.make(args.root, quick=False)
+        write_section(
+            "Pod rehearsal", S.doc_text(plan, table(rows), done["ok"], done["minutes"]), doc=DOC
+        )
+        return 0
     t0 = time.time()
     shutil.rmtree(args.root, ignore_errors=True)
     os.makedirs(args.root)

@@ -589,12 +589,21 @@ def stages(plan: Plan):
 
 
 def doc_text(plan: Plan, table: str, ok: bool, minutes: float) -> str:
-    weights = "bert-tiny (../shared) from gs://" if plan.weights else "random init"
-    return f"""`make pod-rehearsal` (`python bench/pod_rehearsal.py`): the chain as 2
-`jax.distributed` processes x 2 fake CPU devices on gs:// (fake-gcs-server, memory backend),
-every stage beside the same stage as 1 process x 4 devices on local disk; {weights};
-ICT {plan.ict_steps} steps, REALM {plan.realm_steps} steps (refresh every {plan.every}),
-fine-tuning {plan.qa_steps} steps. {"Passed" if ok else "FAILED"} in {minutes:.1f} minutes.
+    weights = "bert-tiny (../shared) read from gs://" if plan.weights else "random init"
+    return f"""`make pod-rehearsal` (`python bench/pod_rehearsal.py`) runs the paper's chain as a
+multi-host job: every multi-host command as 2 `jax.distributed` processes x 2 fake CPU devices,
+each process with its own cache folder (a host's disk), the corpus, question file, weights,
+data dir and workdirs on gs:// (fake-gcs-server, memory backend, on a loopback port). Each
+stage is compared with the same stage run as 1 process x 4 devices on local disk, starting
+from a local copy of the checkpoints the pod chain's previous stage wrote. Weights: {weights};
+ICT {plan.ict_steps} steps, REALM {plan.realm_steps} steps (its refresh job a separate 2-process
+job, `refresh.lockstep` swaps every {plan.every} steps, so the steps equal the reference's
+in-process refresh), fine-tuning {plan.qa_steps} steps. Losses are compared at every step, to
+{LOSS_TOL:g} (relative where a loss is above 1). The faults: kill -9 of one trainer process
+once checkpoint {2 * plan.every} exists (the other must exit within {KILL_BOUND:.0f} s; JAX's
+heartbeat, 30 s, ends it), then a relaunch of both; and a 2-process run killed whole and
+resumed by 1 process x 4 devices (another host count). {"Passed" if ok else "FAILED"} in
+{minutes:.1f} minutes (logs of every process under runs/pod-rehearsal/logs/).
 
 {table}
 """

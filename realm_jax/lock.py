@@ -180,19 +180,22 @@ class ObjectLease:
             info = {}  # unreadable, or rewritten meanwhile: a write's precondition decides
         return blob.generation, info if isinstance(info, dict) else {}
 
-    def acquire(self) -> None:
+    def acquire(self, wait_for_dead: bool = False) -> None:
         """Take the lease; LockError while another holder's is fresh, or when another
-        process takes it between our read and our write."""
+        process takes it between our read and our write.
+
+        wait_for_dead: a fresh lease is watched instead of refused at once: if its holder
+        renews it (a new generation) it is alive and this is a LockError; if the lease runs
+        out unrenewed (its holder died: kill -9, or a pod host's JAX abort, runs no release)
+        it is taken. A relaunch right after a crash then waits at most one lease period
+        instead of failing."""
         from google.api_core import exceptions
 
         current = self._current()
-        if current is not None:
-            info = current[1]
-            if float(info.get("expires", 0)) > time.time():
-                raise LockError(
-                    f"workdir lease {self.url} is held by another {self.role} "
-                    f"({_describe(info)}); stop it first, or use another --workdir"
-                )
+        if current is not None and float(current[1].get("expires", 0)) > time.time():
+            if not wait_for_dead:
+                raise self._held(current[1])
+            current = self._wait_out(current)
         try:
             # Only if nobody wrote since we read: of two processes that both saw the lease
             # free or expired, one write lands, the other fails its precondition.
@@ -202,6 +205,36 @@ class ObjectLease:
                 f"workdir lease {self.url} was just taken by another {self.role}; "
                 "stop it first, or use another --workdir"
             ) from None
+
+    def _held(self, info: dict) -> LockError:
+        return LockError(
+            f"workdir lease {self.url} is held by another {self.role} "
+            f"({_describe(info)}); stop it first, or use another --workdir"
+        )
+
+    def _wait_out(self, current: tuple[int, dict]) -> tuple[int, dict] | None:
+        """Watch a fresh lease until it is renewed (LockError: a live holder) or expires
+        unrenewed (returned, to be taken with a precondition on its generation)."""
+        generation, info = current
+        deadline = time.time() + self.ttl + 5  # one lease period (clock skew beyond: refuse)
+        log.warning(
+            "workdir lease %s is held by another %s (%s): waiting for it to be renewed (a live "
+            "holder: refused) or to run out (a holder that died: taken over)",
+            self.url,
+            self.role,
+            _describe(info),
+        )
+        while time.time() < deadline:
+            time.sleep(min(1.0, max(0.05, self.ttl / 20)))
+            now = self._current()
+            if now is None:
+                return None  # released meanwhile
+            if now[0] != generation:
+                raise self._held(now[1])  # renewed, or taken by another: alive
+            if float(now[1].get("expires", 0)) <= time.time():
+                log.info("workdir lease %s ran out unrenewed: taking it over", self.url)
+                return now
+        raise self._held(info)
 
     def renew(self) -> bool:
         """Extend the lease; False when it was lost (another process holds it now) or is not
@@ -255,7 +288,7 @@ def _renew_until(lease: ObjectLease, stop: threading.Event, every: float) -> Non
 def object_lease(url: str, role: str, *, ttl: float | None = None) -> Iterator[ObjectLease]:
     """Hold an object-store lease for the body, renewed in a background thread."""
     lease = ObjectLease(url, role, ttl or LEASE_SECONDS)
-    lease.acquire()
+    lease.acquire(wait_for_dead=True)
     stop = threading.Event()
     every = min(RENEW_SECONDS, lease.ttl / 4)
     renewer = threading.Thread(target=_renew_until, args=(lease, stop, every), daemon=True)
