@@ -12,9 +12,10 @@ the repository root with ../shared beside it:
   5. evaluate   the held-out articles' questions: (a) the fine-tuned retriever and reader,
                 (b) BM25's blocks read by the same reader, (c) BM25's retrieval alone
 and writes the section "## Open-domain QA" of docs/results.md with EM, recall@k and the CPU
-time of each stage. A stage counts as done when its workdir holds its final checkpoint (and
-for evaluate, when its metrics file exists), so an interrupted run picks up where it stopped;
---force re-runs every evaluation.
+time of each stage. A stage is reused only when its workdir holds the stamp of a finished run
+with the same resolved config, the same code and the same upstream stages
+(bench/stage_stamp.py); otherwise its workdir is moved aside (never deleted) and the stage runs
+again, so every figure comes from the code as it stands. --force re-runs every evaluation.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import stage_stamp  # noqa: E402
 from bench._report import write_section  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results.md")
@@ -44,18 +46,6 @@ EVALS = [  # (label, retriever, extra args)
     ("(b) BM25 blocks + the same reader", "bm25", []),
     ("(c) BM25 retrieval alone", "bm25", ["--retrieval_only"]),
 ]
-
-
-def _final_step(config: str) -> int:
-    sys.path.insert(0, ROOT)
-    from realm_jax.config import load_config
-
-    return int(load_config(config, []).train.steps)
-
-
-def _done(workdir: str, config: str) -> bool:
-    ckpt = os.path.join(ROOT, workdir, "checkpoints", str(_final_step(config)))
-    return os.path.isdir(ckpt)
 
 
 def run(args: list[str]) -> dict:
@@ -73,41 +63,76 @@ def _minutes(s: float) -> str:
     return f"{s / 60:.1f} min"
 
 
+def _data_stamp(config: str) -> str:
+    """The prepared data's identity (prepare's own fingerprint of its input and settings)."""
+    from realm_jax import workdir as paths
+    from realm_jax.config import load_config
+    from realm_jax.data import prepared
+
+    cfg = load_config(config, [])
+    return prepared.load_summary(paths.data_dir(cfg, os.path.join(ROOT, "runs/squad")))[
+        "fingerprint"
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--force", action="store_true", help="re-run the evaluations")
     args = p.parse_args()
     timings_path = os.path.join(ROOT, "runs", "squad-qa-timings.json")
     timings = json.load(open(timings_path)) if os.path.exists(timings_path) else {}
+    upstream: list[str] = []
     for name, command, config, workdir, final in STAGES:
-        if final is not None and _done(workdir, config):
-            print(f"{name}: done already ({workdir})")
-            continue
+        work = os.path.join(ROOT, workdir)
+        want = None
+        if final is not None:  # prepare is idempotent itself (it fingerprints its input)
+            want = stage_stamp.stamp(config, [], upstream)
+            if stage_stamp.current(work, want):
+                print(f"{name}: done already by this config and code ({workdir})")
+                upstream.append(want)
+                continue
+            if not stage_stamp.started(work, want):  # an interrupted run of it resumes
+                moved = stage_stamp.set_aside(work)
+                if moved:
+                    print(f"{name}: {workdir} was made by another config or code: moved to {moved}")
+                stage_stamp.write(work, want, finished=False)
         timings[name] = run([command, "--config", config, "--workdir", workdir])
         os.makedirs(os.path.dirname(timings_path), exist_ok=True)
         json.dump(timings, open(timings_path, "w"), indent=2)
+        if want is None:
+            upstream.append(_data_stamp(config))
+        else:
+            stage_stamp.write(work, want)
+            upstream.append(want)
     results = []
     for label, retriever, extra in EVALS:
         suffix = "-retrieval" if extra else ""
         out = os.path.join(ROOT, "runs", "squad-qa", "eval", f"qa_train.{retriever}{suffix}")
-        if args.force or not os.path.exists(out + ".metrics.json"):
+        stamp_path = out + ".stamp"  # the fine-tuning stage it scored
+        fresh = os.path.exists(stamp_path) and open(stamp_path).read() == upstream[-1]
+        if args.force or not fresh or not os.path.exists(out + ".metrics.json"):
             run(
                 ["evaluate", "--config", "configs/orqa.py:squad", "--workdir", "runs/squad-qa"]
                 + ["--retriever", retriever, "--output", out, *extra]
             )
+            with open(stamp_path, "w") as f:
+                f.write(upstream[-1])
         results.append((label, json.load(open(out + ".metrics.json"))))
-    write_section(*_section(results, timings), doc=RESULTS)
+    made = stage_stamp.made_at(os.path.join(ROOT, "runs", "squad-qa"))
+    write_section(*_section(results, timings, made), doc=RESULTS)
     return 0
 
 
-def _section(results, timings) -> tuple[str, str]:
+def _section(results, timings, made: str) -> tuple[str, str]:
     ks = [k for k in results[0][1] if k.startswith("recall@")]
     lines = [
         "SQuAD v1.0 questions about the held-out articles (the titles `prepare` held out by",
         "hash: pre-training and fine-tuning never saw a question about them; pre-training did",
         "read every passage, as REALM reads all of Wikipedia), answered over the full corpus.",
         "Exact match after ORQA's answer normalisation; recall@k: some of the top k blocks",
-        "holds an answer's wordpieces. Produced by `python bench/squad_qa.py` (`make squad-qa`).",
+        "holds an answer's wordpieces. Produced by `python bench/squad_qa.py` (`make squad-qa`)",
+        f"from stages made at commit {made} (each stage reused only when its config and code",
+        "match: bench/stage_stamp.py).",
         "",
         f"| system | questions | EM | {' | '.join(ks)} | CPU time | wall time |",
         "|---|---|---|" + "---|" * len(ks) + "---|---|",

@@ -6,7 +6,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
 
 from train_throughput import matmuls_alone, step_matmuls  # noqa: E402
 
@@ -83,3 +84,37 @@ def test_peer_summary_ratios_and_section_from_hand_figures():
     assert "model.remat (nothing)" not in body  # no such side was run
     assert "torch T, transformers X" in body and "JAX J" in body
     assert "load average 0.5 at the start and 1.5 at the end" in body
+
+
+def test_stage_stamps_reuse_only_a_stage_of_the_same_config_code_and_upstream(
+    tmp_path, monkeypatch
+):
+    """bench/stage_stamp.py (issue 22: a benchmark reused an ICT workdir made by older code):
+    the stamp follows the resolved config, the code and the upstream stages; a finished stage
+    is current only under its own stamp, an unfinished one resumes, a stale one is moved
+    aside whole."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "stage_stamp", os.path.join(REPO, "bench", "stage_stamp.py")
+    )
+    st = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(st)
+    cfg = os.path.join(REPO, "configs", "ict.py") + ":smoke"
+    base = st.stamp(cfg, [], ["data-1"])
+    assert base == st.stamp(cfg, [], ["data-1"])
+    assert base != st.stamp(cfg, ["train.lr=0.5"], ["data-1"])  # another config
+    assert base != st.stamp(cfg, [], ["data-2"])  # another upstream stage
+    monkeypatch.setattr(st, "code_digest", lambda: "other code")
+    assert base != st.stamp(cfg, [], ["data-1"])  # other code
+    monkeypatch.undo()
+
+    work = str(tmp_path / "ict")
+    assert not st.current(work, base) and not st.started(work, base)
+    st.write(work, base, finished=False)
+    assert st.started(work, base) and not st.current(work, base)
+    st.write(work, base)
+    assert st.current(work, base) and not st.current(work, "another")
+    (tmp_path / "ict" / "checkpoints").mkdir()
+    moved = st.set_aside(work)
+    assert not os.path.exists(work) and os.path.isdir(os.path.join(moved, "checkpoints"))
