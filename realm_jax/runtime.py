@@ -131,3 +131,18 @@ def peer_lost_message(error: BaseException) -> str | None:
         f"ends every other within {heartbeat_timeout()} s). Relaunch every process: training "
         "resumes from the newest checkpoint"
     )
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Every process of the job waits here for the others, up to `timeout_s` (nothing to do in
+    a one-process job). Through JAX's coordination service, as orbax and jax's own array
+    serialization wait (`client.wait_at_barrier`), not a device collective: gloo on CPU gives
+    a collective 30 s for every process to arrive, while process 0 may wait out a dead
+    holder's lease (lock.py) for up to a minute before the others may start."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client JAX's own serialization uses
+
+    distributed.global_state.client.wait_at_barrier(f"realm_jax:{name}", int(timeout_s * 1000))

@@ -13,11 +13,11 @@ import time
 import jax
 import numpy as np
 
-from realm_jax import checkpoint, fs, sharding
+from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
 from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index
-from realm_jax.lock import workdir_lock
+from realm_jax.lock import LEASE_SECONDS, workdir_lock
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import doc_embedder_name
 
@@ -194,6 +194,7 @@ def command(config, args) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     with workdir_lock(args.workdir, "refresher", enabled=jax.process_index() == 0):
+        runtime.barrier("refresher-lock", LEASE_SECONDS + 60)  # after process 0 holds it
         tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
         Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
     return 0

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
-from realm_jax.lock import workdir_lock
+from realm_jax.lock import LEASE_SECONDS, workdir_lock
 from realm_jax.train.metrics import MetricWriter, Progress, line
 
 log = logging.getLogger("realm_jax.train")
@@ -101,6 +101,8 @@ def trainer_locked(train_fn):
     @functools.wraps(train_fn)
     def train(config, workdir: str, *args, **kwargs):
         with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
+            # the others start once process 0 holds the lock (it may wait out a dead lease)
+            runtime.barrier("trainer-lock", LEASE_SECONDS + 60)
             return train_fn(config, workdir, *args, **kwargs)
 
     return train
