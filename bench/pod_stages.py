@@ -629,7 +629,7 @@ in-process refresh), fine-tuning {plan.qa_steps} steps. Losses are compared at e
 once checkpoint {2 * plan.every} exists (the other must exit within {KILL_BOUND:.0f} s; JAX's
 heartbeat, 30 s, ends it), then a relaunch of both; and a 2-process run killed whole and
 resumed by 1 process x 4 devices (another host count). {"Passed" if ok else "FAILED"} in
-{minutes:.1f} minutes (logs of every process under runs/pod-rehearsal/logs/).
+{minutes:.1f} minutes (every process logs to ROOT/logs/; ROOT is runs/pod-rehearsal unless --root).
 
 {table}
 """
