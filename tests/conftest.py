@@ -27,3 +27,18 @@ def shared_path(*parts: str) -> str:
 @pytest.fixture
 def shared():
     return shared_path
+
+
+def prepare_sample_head(tmp_path_factory, config_fn, passages: int) -> str:
+    """The bundled sample's first `passages` passages prepared into a fresh temp folder with
+    the config `config_fn(*overrides)` gives (the small-corpus fixtures of the trainer,
+    checkpoint, drill and resume tests)."""
+    from realm_jax.data import prepare
+
+    root = tmp_path_factory.mktemp("corpus")
+    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
+        lines = f.readlines()[:passages]
+    (root / "corpus.jsonl").write_text("".join(lines))
+    ddir = str(root / "prepared")
+    prepare.prepare(config_fn(f"data.corpus={root / 'corpus.jsonl'}"), ddir)
+    return ddir

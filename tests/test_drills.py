@@ -13,9 +13,10 @@ import pytest
 from realm_jax import checkpoint
 from realm_jax import tokenization as tk
 from realm_jax import workdir as paths
-from realm_jax.data import pipeline, prepare, prepared
+from realm_jax.data import pipeline, prepared
 from realm_jax.train import loop
-from tests.test_trainer import REPO, config
+from tests.conftest import prepare_sample_head
+from tests.test_trainer import config
 
 DATA_ARGS = (pipeline.iterator_save_args, pipeline.iterator_restore_args)
 
@@ -23,13 +24,7 @@ DATA_ARGS = (pipeline.iterator_save_args, pipeline.iterator_restore_args)
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """30 passages of the bundled sample, prepared with random masking."""
-    root = tmp_path_factory.mktemp("corpus")
-    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
-        lines = f.readlines()[:30]
-    (root / "corpus.jsonl").write_text("".join(lines))
-    ddir = str(root / "prepared")
-    prepare.prepare(config(f"data.corpus={root / 'corpus.jsonl'}"), ddir)
-    return ddir
+    return prepare_sample_head(tmp_path_factory, config, 30)
 
 
 def _config(data_dir, steps):

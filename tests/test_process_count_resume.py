@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from realm_jax import workdir as paths
-from realm_jax.data import prepare
-from tests.conftest import REPO
+from tests.conftest import REPO, prepare_sample_head
 from tests.test_trainer import OVERRIDES, config
 
 STEPS, SAVED_AT = 4, 2  # checkpoints 0, 2, 4; the resumes start from 2 (4 removed)
@@ -34,13 +33,7 @@ RUN = [o for o in RUN if not o.startswith("refresh.every=")] + [
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """60 real passages of the bundled sample, prepared with random masking."""
-    root = tmp_path_factory.mktemp("corpus")
-    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
-        lines = f.readlines()[:60]
-    (root / "corpus.jsonl").write_text("".join(lines))
-    ddir = str(root / "prepared")
-    prepare.prepare(config(f"data.corpus={root / 'corpus.jsonl'}"), ddir)
-    return ddir
+    return prepare_sample_head(tmp_path_factory, config, 60)
 
 
 def _start(workdir: str, processes: int, data_dir: str, log: str) -> list[subprocess.Popen]:

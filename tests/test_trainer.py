@@ -24,6 +24,7 @@ from realm_jax.pretrain import commands as pretrain_commands
 from realm_jax.pretrain import step as train_step
 from realm_jax.train import warm_start
 from realm_jax.workdir import index_dir
+from tests.conftest import prepare_sample_head
 from tests.realm_fixtures import TINY_NETWORKS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,13 +49,7 @@ OVERRIDES = TINY_NETWORKS + [
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """60 real passages of the bundled sample, prepared with random masking."""
-    root = tmp_path_factory.mktemp("corpus")
-    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
-        lines = f.readlines()[:60]
-    (root / "corpus.jsonl").write_text("".join(lines))
-    ddir = str(root / "prepared")
-    prepare.prepare(config(f"data.corpus={root / 'corpus.jsonl'}"), ddir)
-    return ddir
+    return prepare_sample_head(tmp_path_factory, config, 60)
 
 
 def config(*extra):
