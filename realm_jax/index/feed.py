@@ -128,11 +128,7 @@ class IndexFeed:
         looks, the others follow (a version published between two processes' looks must not
         split them)."""
         found = self._newest(self.step) if jax.process_index() == 0 else None
-        if jax.process_count() == 1:
-            return found
-        chosen = int(
-            multihost_utils.broadcast_one_to_all(np.int64(-1 if found is None else found[0]))
-        )
+        chosen = _process_0s(-1 if found is None else found[0])
         if chosen < 0:
             return None
         return chosen, fs.join(self.dir, store.version_name(chosen))
@@ -153,9 +149,7 @@ class IndexFeed:
                 ok = True
             except (store.CorruptIndexError, OSError):
                 ok = False
-        if jax.process_count() > 1:
-            ok = bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
-        return ok
+        return bool(_process_0s(int(ok)))
 
     def _wait_for(self, step: int) -> None:
         """Lockstep: block until the refresh job publishes the index of checkpoint `step`, then
@@ -201,3 +195,10 @@ class IndexFeed:
             )
             self._warned = self.step
         return False
+
+
+def _process_0s(value: int) -> int:
+    """Process 0's `value` on every process (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return value
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
