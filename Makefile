@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
 .PHONY: venv test test-slow smoke lint format bench clean squad-qa peer-bench drills plan \
-	pod-rehearsal
+	pod-rehearsal ablations
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,13 @@ format: $(STAMP)
 # done yet (prepare, ICT, REALM pre-training), ORQA fine-tuning, evaluation. Needs ../shared.
 squad-qa: $(STAMP)
 	$(PY) bench/squad_qa.py
+
+# REALM's ablations (docs/results.md "Ablations"): BM25 + reader, ICT only, and REALM with
+# salient / random span / uniform masks / a 30x stale index, each pre-trained (a `sweep`,
+# resumable point by point), fine-tuned the same way and scored on held-out SQuAD articles.
+# Needs ../shared. ABLATIONS_ARGS="--scale quick" for a short end-to-end check.
+ablations: $(STAMP)
+	$(PY) bench/ablations.py $(ABLATIONS_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

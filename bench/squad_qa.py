@@ -87,15 +87,9 @@ def main() -> int:
         want = None
         if final is not None:  # prepare is idempotent itself (it fingerprints its input)
             want = stage_stamp.stamp(config, [], upstream)
-            if stage_stamp.current(work, want):
-                print(f"{name}: done already by this config and code ({workdir})")
+            if not stage_stamp.begin(name, work, want):  # an interrupted run of it resumes
                 upstream.append(want)
                 continue
-            if not stage_stamp.started(work, want):  # an interrupted run of it resumes
-                moved = stage_stamp.set_aside(work)
-                if moved:
-                    print(f"{name}: {workdir} was made by another config or code: moved to {moved}")
-                stage_stamp.write(work, want, finished=False)
         timings[name] = run([command, "--config", config, "--workdir", workdir])
         os.makedirs(os.path.dirname(timings_path), exist_ok=True)
         json.dump(timings, open(timings_path, "w"), indent=2)

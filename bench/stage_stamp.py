@@ -99,6 +99,21 @@ def write(workdir: str, want: str, finished: bool = True) -> None:
         json.dump(record, f, indent=2)
 
 
+def begin(name: str, workdir: str, want: str) -> bool:
+    """Whether stage `name` must run in `workdir` for stamp `want`: False when a finished run
+    with that stamp is there; else an unfinished run with it is resumed as it is, and anything
+    else is set aside before the unfinished stamp is written."""
+    if current(workdir, want):
+        print(f"{name}: done already by this config and code ({workdir})", flush=True)
+        return False
+    if not started(workdir, want):
+        moved = set_aside(workdir)
+        if moved:
+            print(f"{name}: {workdir} was made by another config or code: moved to {moved}")
+        write(workdir, want, finished=False)
+    return True
+
+
 def set_aside(workdir: str) -> str | None:
     """Move a stale workdir out of the way (never deleted): <workdir>.stale-<UTC time>."""
     if not os.path.exists(workdir):

@@ -167,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
                 help="the question or masked sentence (QA configs: none = interactive)",
             )
             s.add_argument("--top_k", type=int, default=5, help="blocks to show")
-        if name in ("ask", "evaluate"):
+        if name == "ask":
             s.add_argument(
                 "--retriever",
                 choices=("dense", "bm25"),
@@ -176,6 +176,16 @@ def _parser() -> argparse.ArgumentParser:
                 "over the same blocks; the same reader reads either",
             )
         if name == "evaluate":
+            s.add_argument(
+                "--retriever",
+                choices=("dense", "bm25", "gold"),
+                default="dense",
+                help="QA: the fine-tuned retriever over the frozen index, BM25 (bm25s) over "
+                "the same blocks, or gold: no retrieval, the reader reads each question's gold "
+                "passage (SQuAD-style questions with a gold_passage field; its blocks repeated "
+                "to fill the reader beam; questions without one are counted as gold_missing "
+                "and scored wrong): the reader's exact match alone. The same reader reads all",
+            )
             s.add_argument(
                 "--questions",
                 default="",
@@ -209,14 +219,25 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument(
                 "--checkpoint",
-                choices=("best", "latest"),
+                choices=("best", "latest", "initial"),
                 default="best",
-                help="the best dev checkpoint (kept by finetune) or the newest",
+                help="the best dev checkpoint (kept by finetune), the newest, or initial: the "
+                "config's warm start (model.init_*: the query embedder and reader fine-tuning "
+                "starts from, no checkpoint needed) against the workdir's frozen index (embedded "
+                "and published first when the workdir has none); with --retrieval_only the "
+                "pre-trained retriever's zero-shot recall@k",
             )
     return p
 
 
 def _sweep_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--only",
+        default="",
+        metavar="NAME[,NAME]",
+        help="locally: run only these points (names as `python -m realm_jax.sweep CONFIG` "
+        "prints them); the others stay pending in the table",
+    )
     s.add_argument(
         "--dry_run",
         action="store_true",

@@ -220,6 +220,7 @@ MIN_QUERY_LEN = 8  # [CLS] sentence [SEP], with room for a masked span
 CHOICES = {
     "task": ("realm", "ict", "qa"),
     "data.masking": ("salient", "random"),
+    "data.mask_mode": ("salient", "random_span", "uniform"),  # = data/masking.py MASK_MODES
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),
     "refresh.mode": ("external", "inprocess"),

@@ -314,7 +314,11 @@ def qa_programs(config, mesh, num_blocks: int) -> list[Program]:
     d, q, B = config.data, config.qa, config.train.batch_size
     batch = _batch(
         mesh,
-        {"question_ids": (B, d.query_len), "answer_ids": (B, q.max_answers, q.answer_len)},
+        {
+            "question_ids": (B, d.query_len),
+            "answer_ids": (B, q.max_answers, q.answer_len),
+            "gold_block": (B,),  # read only with qa.gold_in_beam
+        },
     )
     emb, tokens = _index_args(config, mesh, num_blocks)
     fn = step.compile_train_step(config, mesh, model, optimizer, shardings, num_blocks)

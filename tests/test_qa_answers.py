@@ -176,6 +176,7 @@ def test_read_squad(tmp_path):
             "How many died?",
             ("69,197",),
             title="2008 Sichuan earthquake",
+            gold_passage="train/x/0",
             qid="qa.jsonl:1",
             source=f"{path}:1",
         )
@@ -322,6 +323,7 @@ def test_shared_squad_questions():
         "In what year did the earthquake in Sichuan occur?",
         ("2008",),
         title="2008 Sichuan earthquake",
+        gold_passage="train/2008_Sichuan_earthquake/0",
         qid="qa_train.jsonl:1",
         source=f"{path}:1",
     )

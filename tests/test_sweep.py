@@ -213,6 +213,17 @@ def test_dry_run_prints_one_line_per_point(tmp_path, capsys):
     assert not os.path.exists(prefix)
 
 
+def test_only_runs_the_named_points(tmp_path, capsys):
+    config = _config_file(tmp_path, POINTS[:2])
+    prefix = str(tmp_path / "sweep")
+    args = ["--config", config, "--workdir", prefix, "--dry_run"]
+    rc, out, _ = _sweep(capsys, *args, "--only", "eval_examples=24")
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 2 and f"{prefix}/eval_examples=24 " in lines[1]
+    rc, _, err = _sweep(capsys, *args, "--only", "eval_examples=9")
+    assert rc == 2 and "no sweep point named eval_examples=9" in err
+
+
 def test_tpu_dry_run_prints_one_launch_per_point(tmp_path, capfd):
     rc = cli.main(
         ["sweep", "--config", REALM, "--workdir", "/mnt/shared/lr", "--dry_run"]
@@ -228,7 +239,7 @@ def test_tpu_dry_run_prints_one_launch_per_point(tmp_path, capfd):
         assert " configs/realm.py:small --config.train.steps=100 --config.train.lr=" in line
 
 
-@pytest.mark.parametrize("name", ["realm", "ict", "orqa"])
+@pytest.mark.parametrize("name", ["realm", "ict", "orqa", "ablations"])
 def test_every_shipped_sweep_validates_with_its_training_command(name, tmp_path):
     from realm_jax.sweep import runner
 
@@ -247,6 +258,7 @@ def test_every_shipped_sweep_validates_with_its_training_command(name, tmp_path)
                     "realm": "local",
                     "ict": "train",
                     "orqa": "finetune",
+                    "ablations": "local",
                 }[name]
             )
 

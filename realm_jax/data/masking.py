@@ -3,6 +3,11 @@
 Spans are found on the sentence text (spaCy NER over `nlp.pipe` batches + a date regex), mapped
 to wordpiece positions through the tokenizer's char offsets, and one is chosen per sentence with
 an RNG seeded by (seed, sentence id), so the choice is deterministic.
+
+Read-time masking modes (data.mask_mode, REALM's Table 2 ablations, Guu et al. 2020): "salient"
+masks one of the record's stored spans (above; the input pipeline draws it), "random_span"
+(SpanBERT, Joshi et al. 2019) and "uniform" (BERT, Devlin et al. 2019) choose positions from the
+sentence's wordpieces alone (`random_span_positions`, `uniform_positions`: pure numpy).
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ import logging
 import random
 import re
 from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from realm_jax import tokenization as tk
 
 log = logging.getLogger(__name__)
 
@@ -172,3 +181,117 @@ class Masker:
                 return a, b, "RANDOM"
         self.stats["skipped_span_too_long"] += 1
         return None
+
+
+# ------------------------------------------------------------------ read-time masking modes
+
+MASK_MODES = ("salient", "random_span", "uniform")  # data.mask_mode's values
+MASK_RATE = 0.15  # BERT's and SpanBERT's budget: this share of the sentence's wordpieces
+SPAN_P = 0.2  # SpanBERT's geometric span length parameter (in words)
+SPAN_MAX_WORDS = 10  # SpanBERT's longest span (words)
+_SPECIAL = (tk.PAD_ID, tk.CLS_ID, tk.SEP_ID)  # never masked: padding, [CLS], [SEP]
+
+
+def check_mask_mode(mode: str) -> str:
+    """`mode` if it is a data.mask_mode value, else a ValueError naming the allowed ones."""
+    if mode not in MASK_MODES:
+        raise ValueError(f"data.mask_mode must be one of {', '.join(MASK_MODES)}, got {mode!r}")
+    return mode
+
+
+@functools.lru_cache(maxsize=2)
+def is_continuation(vocab_path: str = tk.VOCAB_PATH) -> np.ndarray:
+    """[vocab size] bool: the wordpiece id continues the previous word (a "##" piece)."""
+    vocab = tk.load_tokenizer(vocab_path).get_vocab()
+    table = np.zeros((max(vocab.values()) + 1,), bool)
+    table[[i for t, i in vocab.items() if t.startswith("##")]] = True
+    table.flags.writeable = False  # shared by every caller
+    return table
+
+
+def mask_budget(n: int, max_predictions: int) -> int:
+    """Masked wordpieces for a sentence of `n` maskable ones: round(15% of n), at least 1, at
+    most max_predictions (0 for an empty sentence)."""
+    return min(max(1, round(MASK_RATE * n)), max_predictions) if n else 0
+
+
+def maskable(token_ids: np.ndarray) -> np.ndarray:
+    """[len] bool: the positions a random mode may mask (not [CLS], [SEP] or padding)."""
+    return ~np.isin(np.asarray(token_ids), _SPECIAL)
+
+
+def words(token_ids: np.ndarray) -> list[tuple[int, int]]:
+    """The whole words of a sentence as (first, last) wordpiece positions, inclusive, in
+    order: a "##" piece continues the word before it; special tokens are in no word."""
+    ids = np.asarray(token_ids)
+    ok = maskable(ids)
+    cont = is_continuation()
+    hash_piece = np.zeros(ids.shape, bool)
+    known = ids < len(cont)  # an id beyond the vocab starts a word
+    hash_piece[known] = cont[ids[known]]
+    after_ok = np.zeros_like(ok)
+    after_ok[1:] = ok[:-1]
+    joins = ok & hash_piece & after_ok  # a "##" piece right after a maskable one: same word
+    starts = np.flatnonzero(ok & ~joins)
+    joined = np.zeros_like(ok)
+    joined[:-1] = joins[1:]
+    ends = np.flatnonzero(ok & ~joined)
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
+
+
+def uniform_positions(
+    token_ids: np.ndarray, rng: np.random.Generator, max_predictions: int
+) -> np.ndarray:
+    """BERT's random uniform masks (Devlin et al. 2019; REALM's Table 2 "random uniform
+    masks"): mask_budget(n) of the n maskable wordpieces, uniformly without replacement.
+    Sorted positions, int32."""
+    candidates = np.flatnonzero(maskable(token_ids))
+    k = mask_budget(len(candidates), max_predictions)
+    return np.sort(rng.choice(candidates, size=k, replace=False)).astype(np.int32)
+
+
+def span_lengths() -> np.ndarray:
+    """P(span of l words), l = 1..SPAN_MAX_WORDS: Geo(SPAN_P) truncated and renormalised, as
+    SpanBERT's code draws it (mean 3.8 words, the paper's figure; clipping would give 4.5)."""
+    p = SPAN_P * (1 - SPAN_P) ** np.arange(SPAN_MAX_WORDS)
+    return p / p.sum()
+
+
+def random_span_positions(
+    token_ids: np.ndarray, rng: np.random.Generator, max_predictions: int
+) -> np.ndarray:
+    """SpanBERT's span masking (Joshi et al. 2019; REALM's Table 2 "random span masks"):
+    spans of whole words, a length in words from span_lengths() and a start word uniform over
+    the unmasked words, until mask_budget(n) wordpieces are masked. A span ends early at the
+    budget (its last word stays whole, so the budget may be passed by part of a word), at the
+    sentence's end or at an already masked word (spans do not overlap), and before a word that
+    would take it past max_predictions; a start word that does not fit is never drawn.
+    Sorted positions, int32."""
+    ws = words(token_ids)
+    budget = mask_budget(sum(b - a + 1 for a, b in ws), max_predictions)
+    taken = np.zeros((len(ws),), bool)
+    size = np.array([b - a + 1 for a, b in ws], np.int64)
+    probs, n = span_lengths(), 0
+    while n < budget:
+        free = np.flatnonzero(~taken & (size <= max_predictions - n))
+        if not len(free):  # no whole word fits under max_predictions any more
+            break
+        length = int(rng.choice(SPAN_MAX_WORDS, p=probs)) + 1
+        w = int(free[rng.integers(len(free))])
+        for j in range(w, min(w + length, len(ws))):
+            if taken[j] or n >= budget or n + size[j] > max_predictions:
+                break
+            taken[j], n = True, n + int(size[j])
+    pos = [p for j in np.flatnonzero(taken) for p in range(ws[j][0], ws[j][1] + 1)]
+    return np.asarray(pos, np.int32)
+
+
+def choose_positions(
+    mode: str, token_ids: np.ndarray, rng: np.random.Generator, max_predictions: int
+) -> np.ndarray:
+    """The positions a random mode ("random_span" or "uniform") masks in `token_ids`."""
+    if mode == "uniform":
+        return uniform_positions(token_ids, rng, max_predictions)
+    if mode == "random_span":
+        return random_span_positions(token_ids, rng, max_predictions)
+    raise ValueError(f"choose_positions: {check_mask_mode(mode)!r} is not a random mode")

@@ -30,9 +30,31 @@ from etils import epath
 
 from realm_jax import tokenization as tk
 from realm_jax.checkpoint import CheckpointMismatch
+from realm_jax.data import masking
 from realm_jax.data import prepared as prepare_lib
 
 log = logging.getLogger(__name__)
+
+
+def mask_positions(q: np.ndarray, positions: np.ndarray, max_predictions: int) -> dict:
+    """Replace `positions` (sorted, at most max_predictions) of the padded query `q` by [MASK]
+    in place; the MLM arrays, padded to max_predictions. Every masked piece becomes [MASK]
+    in every mode: BERT's 80/10/10 replacement is not used, so that the masking modes differ
+    only in which tokens are masked."""
+    n = len(positions)
+    out = np.zeros((max_predictions,), np.int32)  # [max_predictions]
+    targets = np.zeros((max_predictions,), np.int32)
+    weights = np.zeros((max_predictions,), np.float32)
+    out[:n] = positions
+    targets[:n] = q[positions]
+    weights[:n] = 1.0
+    q[positions] = tk.MASK_ID
+    return {
+        "query_ids": q,
+        "mlm_positions": out,
+        "mlm_targets": targets,
+        "mlm_weights": weights,
+    }
 
 
 def mask_example(rec: dict, span: int, query_len: int, max_predictions: int) -> dict:
@@ -41,38 +63,44 @@ def mask_example(rec: dict, span: int, query_len: int, max_predictions: int) -> 
     q = tk.pad_to(rec["token_ids"], query_len)  # [query_len]
     a, b = int(rec["span_starts"][span]), int(rec["span_ends"][span])
     b = min(b, a + max_predictions - 1, query_len - 1)
-    n = b - a + 1
-    positions = np.zeros((max_predictions,), np.int32)  # [max_predictions]
-    targets = np.zeros((max_predictions,), np.int32)
-    weights = np.zeros((max_predictions,), np.float32)
-    positions[:n] = np.arange(a, b + 1)
-    targets[:n] = q[a : b + 1]
-    weights[:n] = 1.0
-    q[a : b + 1] = tk.MASK_ID
-    return {
-        "query_ids": q,
-        "mlm_positions": positions,
-        "mlm_targets": targets,
-        "mlm_weights": weights,
-        "block_id": np.int32(rec["block_id"]),
-    }
+    out = mask_positions(q, np.arange(a, b + 1), max_predictions)
+    return {**out, "block_id": np.int32(rec["block_id"])}
+
+
+def mask_record(
+    rec: dict, rng: np.random.Generator, mode: str, query_len: int, max_predictions: int
+) -> dict:
+    """One example record masked by data.mask_mode `mode` with draws from `rng`: "salient"
+    one of its stored spans (mask_example), "random_span" / "uniform" positions chosen from
+    its wordpieces (data/masking.py)."""
+    if mode == "salient":  # the draw salient masking has always made: bit-identical batches
+        span = int(rng.integers(len(rec["span_starts"])))
+        return mask_example(rec, span, query_len, max_predictions)
+    q = tk.pad_to(rec["token_ids"], query_len)  # [query_len]
+    positions = masking.choose_positions(mode, q, rng, max_predictions)
+    out = mask_positions(q, positions, max_predictions)
+    return {**out, "block_id": np.int32(rec["block_id"])}
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpan(grain.transforms.RandomMap):
-    """Masks one of the example's salient spans, drawn anew each time the example is read.
+    """Masks the example by `mask_mode` (data.mask_mode; default REALM's salient span), drawn
+    anew each time the example is read.
 
     grain seeds `rng` from the sampler's seed and the record's position in the global order,
-    which grows across epochs: each epoch draws its own span (as the release draws one per
-    generated example), the draw is a pure function of (seed, position), and a restored
+    which grows across epochs: each epoch draws its own mask (as the release draws one span
+    per generated example), the draw is a pure function of (seed, position), and a restored
     iterator continues with exactly the draws it would have made."""
 
     query_len: int
     max_predictions: int
+    mask_mode: str = "salient"
+
+    def __post_init__(self):
+        masking.check_mask_mode(self.mask_mode)  # before any record is read
 
     def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        span = int(rng.integers(len(rec["span_starts"])))
-        out = mask_example(rec, span, self.query_len, self.max_predictions)
+        out = mask_record(rec, rng, self.mask_mode, self.query_len, self.max_predictions)
         if "example_id" in rec:  # host-side only: the loop takes it out before the device
             out["example_id"] = np.int64(rec["example_id"])
         return out
@@ -233,9 +261,11 @@ def train_loader(
     b = global_batch_size / jax.process_count().
     """
     data = config.data
+    # before the data is opened: an unknown data.mask_mode is a config error, not a data one
+    mask = MaskSpan(data.query_len, data.max_predictions, data.get("mask_mode", "salient"))
     return shuffled_batches(
         prepare_lib.examples_source(data_dir),
-        MaskSpan(data.query_len, data.max_predictions),
+        mask,
         what=f"examples in {data_dir}",
         global_batch_size=global_batch_size,
         seed=seed,
@@ -448,7 +478,7 @@ def iterator_restore_args(it) -> IteratorRestore:
 def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
     """The held-out examples as a fixed list of this process's batches (the same every
     evaluation: the first `max_examples` (all when <= 0), whole global batches only, each
-    example's span drawn by a generator seeded with its id)."""
+    example masked by the run's data.mask_mode with a generator seeded by its id)."""
     source = prepare_lib.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
     b = local_batch_size(batch_size)
@@ -459,13 +489,15 @@ def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
             f"{batch_size}: lower train.eval_batch_size or raise data.eval_fraction"
         )
     d, out = config.data, []
+    mode = masking.check_mask_mode(d.get("mask_mode", "salient"))
     first = jax.process_index() * b
     for i in range(n_batches):
         recs = [source[i * batch_size + first + j] for j in range(b)]
         ex = [
-            mask_example(
+            mask_record(
                 r,
-                int(np.random.default_rng(int(r["example_id"])).integers(len(r["span_starts"]))),
+                np.random.default_rng(int(r["example_id"])),
+                mode,
                 d.query_len,
                 d.max_predictions,
             )

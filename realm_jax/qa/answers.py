@@ -15,7 +15,9 @@ answer_in_text (the normalised answer as whole tokens of the normalised text).
 Question files (`read_questions(path, fmt)`; local or gs://), all UTF-8; blank lines are skipped:
   nq            NQ-open JSONL, one object per line: {"question": str, "answer": [str, ...]}
   squad         SQuAD-style JSONL: {"question": str, "answers": [str, ...], "title": str,
-                "id": str, ...}; title and id optional, other keys (gold_passage) ignored
+                "id": str, "gold_passage": str, ...}; title, id and gold_passage (the corpus
+                "id" of the passage the question was written from) optional, other keys
+                ignored
   webquestions  one JSON list of {"qId": str, "qText": str, "answers": [str, ...]}
   curatedtrec   TSV lines: id <TAB> type <TAB> question <TAB> answer regex; the line is cut
                 at its first three tabs, so a tab inside the regex stays in it (one line of
@@ -66,6 +68,9 @@ class QAExample:
     title: str = ""  # SQuAD-style files: the article title (else "")
     qid: str = ""  # the file's id if it has one, else "<file name>:<line>"
     source: str = ""  # "<path>:<line>" (webquestions: "<path>: entry <i>")
+    # SQuAD-style files: the corpus "id" of the passage the question was written from (its
+    # prepared blocks keep it as doc_id; qa/data.py gold_blocks), else ""
+    gold_passage: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +211,7 @@ def _read_jsonl(path: str, data: bytes, fmt: str) -> list[QAExample]:
                 title=_optional(obj, "title", where, ""),
                 qid=_optional(obj, "id", where, f"{name}:{n}", ints=True),
                 source=where,
+                gold_passage=_optional(obj, "gold_passage", where, "", ints=True),
             )
         )
     return examples

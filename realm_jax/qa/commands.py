@@ -11,6 +11,7 @@ import threading
 import time
 
 import jax
+import optax
 
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
@@ -29,12 +30,21 @@ from realm_jax.qa.answers import (
 )
 from realm_jax.qa.evaluation import DevEvaluator, FrozenIndex, Predictor
 from realm_jax.train import loop
+from realm_jax.train.state import create_sharded
 from realm_jax.train.warm_start import params_hook
 
 log = logging.getLogger("realm_jax.qa")
 
-CONSOLE_KEYS = ("loss", "retriever_loss", "reader_loss", "exact_match", "reader_beam_recall")
+CONSOLE_KEYS = (
+    "loss",
+    "retriever_loss",
+    "reader_loss",
+    "exact_match",
+    "reader_beam_recall",
+    "gold_in_beam_rate",  # qa.gold_in_beam runs only
+)
 EVAL_CONSOLE_KEYS = ("exact_match", "recall@1", "recall@5", "recall@20")
+CHECKPOINTS = ("best", "latest", "initial")  # evaluate --checkpoint
 
 
 def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenIndex:
@@ -61,9 +71,9 @@ def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenInd
 def _train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
     """ORQA fine-tuning; resumable. Returns the logged metrics."""
     tc = config.train
-    mesh, ddir, (tokens, _, _) = loop.setup(config, workdir)
+    mesh, ddir, (tokens, doc_ids, _) = loop.setup(config, workdir)
     qa_step.check_config(config, realm_model(config.model), len(tokens), mesh)
-    _, arrays = qa_data.training_questions(config, ddir)
+    _, arrays = qa_data.training_questions(config, ddir, blocks=(tokens, doc_ids))
     dev = qa_data.dev_questions(config, ddir) if tc.eval_every > 0 else []
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
     hook = None if mgr.all_steps() else params_hook(config, span_head=True)
@@ -78,6 +88,8 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
         "qa.training_questions": len(arrays["question_ids"]),
         "qa.answer_len": q.answer_len,
         "qa.max_answers": q.max_answers,
+        # what the step reads: a resume may not switch the gold block insertion on or off
+        "qa.gold_in_beam": bool(q.get("gold_in_beam", False)),
     }
     start, state = loop.init_or_resume(
         mgr,
@@ -167,29 +179,77 @@ def restore_reader(config, workdir: str, mesh, which: str = "best"):
     return model, params, step, where
 
 
+def warm_start_source(config) -> str:
+    """Where the config's fine-tuning starts from, in words (`evaluate --checkpoint initial`)."""
+    m = config.model
+    fields = [
+        f"model.{f}={m[f]}"
+        for f in (
+            "init_from_realm",
+            "init_embedders_from_ict",
+            "init_embedder_from",
+            "init_reader_from",
+        )
+        if m.get(f, "")
+    ]
+    return ", ".join(fields) or f"random initialisation, train.seed={config.train.seed}"
+
+
+def initial_params(config, mesh):
+    """(model, params of every network) of the config's warm start: the weights a fresh
+    fine-tuning run starts from (qa/step.py create_state: the model initialised with
+    train.seed, then the config's weight imports, params_hook(span_head=True)), built the same
+    way but without an optimizer state."""
+    model, _, init_params = qa_step.state_parts(config)
+    state, _ = create_sharded(
+        mesh,
+        init_params,
+        optax.identity(),
+        jax.random.key(config.train.seed),
+        params_hook(config, span_head=True),
+        fsdp=config.mesh.get("fsdp", False),
+    )
+    return model, dict(state.params)
+
+
 def open_predictor(config, workdir: str, retriever: str, which: str = "best", model=True):
-    """(predictor, params, description) for `evaluate` and `ask` over a fine-tuned workdir.
+    """(predictor, params, description) for `evaluate` and `ask` over a fine-tuned workdir's
+    frozen index. which: best / latest (restore_reader) or "initial": the config's warm start
+    (initial_params), the networks fine-tuning starts from, against the index `finetune`
+    published from the same initial document embedder, or embedded and published here when
+    the workdir has none yet (retrieval alone: the pre-trained retriever's zero-shot recall).
     model=False (BM25 retrieval alone): no checkpoint is read, params are None."""
+    if which not in CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {which!r}")
     mesh = sharding.make_mesh(config.mesh)
     ddir = paths.data_dir(config, workdir)
-    tokens, _, _ = prepared.load_blocks(ddir)
+    tokens, doc_ids, _ = prepared.load_blocks(ddir)
     found = store.latest_valid(
         paths.index_dir(workdir),
         expected_num_blocks=len(tokens),
         expected_dim=config.model.proj_size,
     )
-    if found is None:
+    index = None
+    if model and which == "initial":
+        net, params = initial_params(config, mesh)
+        source = f"initial (the warm start: {warm_start_source(config)})"
+        if found is None:  # zero-shot before any fine-tuning: the warm start's own index,
+            # embedded and published as `finetune` does at its start (which then reuses it)
+            index = frozen_index(config, workdir, mesh, net, params, tokens)
+    elif found is None:
         raise FileNotFoundError(
             f"no valid index in {paths.index_dir(workdir)}: run `realm-jax finetune` with this "
             "workdir first (it publishes the frozen index)"
         )
-    if model:
+    elif model:
         net, params, step, where = restore_reader(config, workdir, mesh, which)
         source = f"{where} checkpoint {step} of {workdir}"
     else:
         net, params, source = realm_model(config.model), None, "no model (retrieval alone)"
-    index = FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens)
-    predictor = Predictor(config, mesh, net, index, ddir, retriever)
+    if index is None:
+        index = FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens)
+    gold = (tokens, doc_ids) if retriever == "gold" else None  # the host table: gold only
+    predictor = Predictor(config, mesh, net, index, ddir, retriever, blocks=gold)
     return predictor, params, source
 
 
@@ -216,13 +276,28 @@ def evaluate(config, args) -> int:
         )
         return 2
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    bm25 = args.retriever == "bm25"
+    bm25, gold = args.retriever == "bm25", args.retriever == "gold"
     alone = args.retrieval_only
+    initial = args.checkpoint == "initial" and not (alone and bm25)  # BM25 alone: no model
+    if gold and alone and not args.predictions:
+        print(
+            "realm-jax evaluate: --retriever gold reads each question's gold passage: there is "
+            "no retrieval for --retrieval_only to score",
+            file=sys.stderr,
+        )
+        return 2
     fs.check_buckets([args.questions, args.predictions, args.output])  # cli: workdir, config
     ddir = paths.data_dir(config, args.workdir)
     examples, name = evaluation_questions(config, args, ddir)  # a bad file: named first
-    if not args.predictions and not (alone and bm25):
-        require_checkpoints(args.workdir)
+    if gold and not args.predictions and not any(e.gold_passage for e in examples):
+        print(
+            f"realm-jax evaluate: --retriever gold needs SQuAD-style questions with a "
+            f"'gold_passage' field (a corpus id); {name} has none",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.predictions and not (alone and bm25) and not initial:
+        require_checkpoints(args.workdir)  # initial: only the published index (open_predictor)
     if args.predictions:  # score a predictions file (ORQA's evaluate_predictions), no model
         m = score_predictions(examples, read_predictions(args.predictions))
         if jax.process_index() == 0:
@@ -243,11 +318,17 @@ def evaluate(config, args) -> int:
     )
     if jax.process_index() != 0:  # several processes computed the same: process 0 writes
         return 0
-    out = args.output or output_prefix(args.workdir, name, args.retriever, alone)
-    summary = {"questions_file": name, "retriever": args.retriever, "model": source, **metrics}
+    out = args.output or output_prefix(args.workdir, name, args.retriever, alone, initial)
+    summary = {
+        "questions_file": name,
+        "retriever": args.retriever,
+        "checkpoint": None if source.startswith("no model") else args.checkpoint,
+        "model": source,
+        **metrics,
+    }
     write_evaluation(out, records, summary)
     shown = ", ".join(
-        f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("exact", "recall"))
+        f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("exact", "recall", "gold_"))
     )
     print(
         f"{name}: {len(records)} questions, {args.retriever} retriever, {source}: {shown}; "
@@ -257,10 +338,14 @@ def evaluate(config, args) -> int:
     return 0
 
 
-def output_prefix(workdir: str, name: str, retriever: str, alone: bool) -> str:
-    """`evaluate`'s default output prefix: WORKDIR/eval/<question file stem>.<retriever>."""
+def output_prefix(
+    workdir: str, name: str, retriever: str, alone: bool, initial: bool = False
+) -> str:
+    """`evaluate`'s default output prefix: WORKDIR/eval/<question file stem>.<retriever>
+    [-initial: --checkpoint initial][-retrieval: --retrieval_only]."""
     stem = os.path.splitext(fs.basename(name.split(" ")[0]))[0]
-    return fs.join(paths.eval_dir(workdir), f"{stem}.{retriever}" + ("-retrieval" if alone else ""))
+    tail = ("-initial" if initial else "") + ("-retrieval" if alone else "")
+    return fs.join(paths.eval_dir(workdir), f"{stem}.{retriever}{tail}")
 
 
 def write_evaluation(out: str, records: list[dict], summary: dict) -> None:

@@ -4,7 +4,9 @@ the shuffled, resumable training batches.
 Arrays: question_ids [N, query_len] (`[CLS] question [SEP]`, zero-padded); answer_ids
 [N, qa.max_answers, qa.answer_len] (each answer's wordpieces, zero-padded; answers longer
 than qa.answer_len, or past max_answers, are left out of the token table: they can still be
-scored by exact match on the host, never found on device).
+scored by exact match on the host, never found on device); training also carries
+gold_block [N] (gold_blocks: the answer-holding block of the question's gold passage, -1 when
+none; read by qa.gold_in_beam).
 """
 
 from __future__ import annotations
@@ -55,6 +57,59 @@ def load_questions(path: str, fmt: str, holdout: str, data_dir: str) -> list[QAE
     return kept
 
 
+def holds_answer(row: np.ndarray, answers: np.ndarray) -> bool:
+    """Host twin of step.contains_answer for one block: row [Lb] (token ids, zero-padded),
+    answers [A, La] (one question's answer table from `encode`) -> whether some answer's
+    wordpieces occur consecutively in the row."""
+    row = np.asarray(row)
+    for a in np.asarray(answers):
+        n = int((a != 0).sum())
+        if 0 < n <= len(row):
+            windows = np.lib.stride_tricks.sliding_window_view(row, n)
+            if (windows == a[:n]).all(axis=1).any():
+                return True
+    return False
+
+
+def blocks_by_doc(doc_ids, wanted) -> dict[str, list[int]]:
+    """{doc_id: its block ids, in order} for the doc_ids in `wanted` (one pass over doc_ids)."""
+    wanted = set(wanted) - {""}
+    by_doc: dict[str, list[int]] = {}
+    if wanted:
+        for i, d in enumerate(doc_ids):
+            if d in wanted:
+                by_doc.setdefault(d, []).append(i)
+    return by_doc
+
+
+def gold_blocks(
+    examples: list[QAExample], doc_ids, tokens, answer_ids: np.ndarray, by_doc=None
+) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """The prepared blocks of each question's gold passage (SQuAD-style files: the corpus id
+    in `gold_passage`, kept by `prepare` as each block's doc_id; a passage may be cut into
+    several blocks).
+
+    doc_ids [N] (prepared.load_blocks), tokens [N, Lb] host token table (any object whose
+    [i] is block i's row), answer_ids [len(examples), A, La] (`encode`'s). Returns
+    (per question: its gold passage's block ids, those holding an answer's wordpieces first,
+    each group in block order; () when the question has no gold_passage or the corpus lacks
+    it), gold [len(examples)] int32: the first of them that holds an answer (the token test
+    of training and evaluation: holds_answer), -1 when none does. by_doc: blocks_by_doc's map
+    when the caller has it (batches of one question list: one pass over doc_ids, not one a
+    batch)."""
+    if by_doc is None:
+        by_doc = blocks_by_doc(doc_ids, (e.gold_passage for e in examples))
+    lists, gold = [], np.full((len(examples),), -1, np.int32)
+    for n, ex in enumerate(examples):
+        blocks = by_doc.get(ex.gold_passage, []) if ex.gold_passage else []
+        has = [holds_answer(tokens[b], answer_ids[n]) for b in blocks]
+        first = [b for b, h in zip(blocks, has, strict=True) if h]
+        lists.append(tuple(first + [b for b, h in zip(blocks, has, strict=True) if not h]))
+        if first:
+            gold[n] = first[0]
+    return lists, gold
+
+
 def encode(examples: list[QAExample], query_len: int, answer_len: int, max_answers: int):
     """(arrays dict, number of examples with at least one answer in the token table)."""
     n = len(examples)
@@ -96,7 +151,8 @@ class _Identity(grain.transforms.Map):
 
 def train_loader(config, arrays: dict) -> grain.DataLoader:
     """Shuffled batches of this process's share of the training questions, epoch after epoch
-    (resumable: the iterator state is saved with every checkpoint)."""
+    (resumable: the iterator state is saved with every checkpoint); every array of
+    `training_questions` (question_ids, answer_ids, gold_block) travels in the batch."""
     keep = (arrays["answer_ids"] != 0).any(axis=(1, 2))  # a question no block can answer
     arrays = {k: v[keep] for k, v in arrays.items()}  # adds nothing to either loss
     return pipeline.shuffled_batches(
@@ -109,18 +165,37 @@ def train_loader(config, arrays: dict) -> grain.DataLoader:
     )
 
 
-def training_questions(config, data_dir: str) -> tuple[list[QAExample], dict]:
-    """The fine-tuning questions and their arrays; logs how many can be learnt from."""
+def training_questions(config, data_dir: str, blocks=None) -> tuple[list[QAExample], dict]:
+    """The fine-tuning questions and their arrays (encode's, plus gold_block [N] int32:
+    gold_blocks' answer-holding block of the question's gold passage, -1 when none); logs how
+    many can be learnt from. blocks: (token table [N, Lb], doc_ids) of the prepared data when
+    the caller has them (else read from data_dir, and only when a question has a
+    gold_passage)."""
     q = config.qa
     examples = load_questions(q.train_file, q.format, q.train_holdout, data_dir)
     arrays, usable = encode(examples, config.data.query_len, q.answer_len, q.max_answers)
+    gold = np.full((len(examples),), -1, np.int32)
+    if any(e.gold_passage for e in examples):
+        if blocks is None:
+            tokens, doc_ids, _ = prepared.load_blocks(data_dir)
+        else:
+            tokens, doc_ids = blocks
+        _, gold = gold_blocks(examples, doc_ids, tokens, arrays["answer_ids"])
+    arrays["gold_block"] = gold
     log.info(
-        "%d training questions from %s (%d with an answer of <= %d wordpieces)",
+        "%d training questions from %s (%d with an answer of <= %d wordpieces, %d with an "
+        "answer-holding block of their gold passage)",
         len(examples),
         q.train_file,
         usable,
         q.answer_len,
+        int((gold >= 0).sum()),
     )
+    if q.get("gold_in_beam", False) and not (gold >= 0).any():
+        log.warning(
+            "qa.gold_in_beam is on but no training question has a gold block (the file has "
+            "no gold_passage field, or no gold passage's block holds an answer): it does nothing"
+        )
     return examples, arrays
 
 

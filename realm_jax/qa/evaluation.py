@@ -8,7 +8,17 @@ block's original text by the wordpieces' character offsets (ORQA maps back to or
 the same way), so "69,197" comes back as written. Scores: exact match after ORQA's answer
 normalisation (regex match for CuratedTREC), and recall@k: some of the top k blocks holds an
 answer (string answers: their wordpieces, tested on device as in training; regex answers:
-a regex search of the block's text).
+a regex search of the block's text). Each question's record carries its own flags (hits:
+{"k": bool} per recall@k; has_answer per block read), so confidence intervals can be
+bootstrapped from the predictions file.
+
+The gold retriever (SQuAD-style questions with a gold_passage) is no retrieval at all: the
+reader reads the blocks of the question's gold passage (qa/data.py gold_blocks: answer-holding
+ones first; the first R of them, repeated in turn to fill the R slots when fewer), so its exact
+match is the reader's alone, "EM given the gold passage". A question whose gold passage is
+missing (no gold_passage field, or not in the corpus) is counted (gold_missing) and scored as
+wrong. It reports no recall@k (trivially the gold passage's coverage): gold_answer_coverage is
+the share of questions whose gold blocks hold an answer.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from realm_jax.qa import step as qa_step
 
 log = logging.getLogger("realm_jax.qa")
 
-RETRIEVERS = ("dense", "bm25")
+RETRIEVERS = ("dense", "bm25", "gold")
 
 
 @dataclasses.dataclass
@@ -76,7 +86,18 @@ def span_text(title: str, text: str, tokens, start: int, end: int) -> str:
 class Predictor:
     """Predictions for batches of questions with one retriever over a frozen index."""
 
-    def __init__(self, config, mesh, model, index: FrozenIndex, data_dir: str, retriever: str):
+    def __init__(
+        self,
+        config,
+        mesh,
+        model,
+        index: FrozenIndex,
+        data_dir: str,
+        retriever: str,
+        blocks=None,
+    ):
+        """blocks: (host token table [N, Lb], doc_ids) of the prepared data, which the gold
+        retriever needs (read from data_dir when not given)."""
         if retriever not in RETRIEVERS:
             raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
         q = config.qa
@@ -85,6 +106,12 @@ class Predictor:
         self.reader_beam = int(q.reader_beam_size)
         self.depth = min(max(self.ks + (self.reader_beam,)), index.num_blocks)
         self.blocks = prepared.blocks_source(data_dir)
+        self.gold_table = None
+        if retriever == "gold":
+            if blocks is None:
+                tokens, doc_ids, _ = prepared.load_blocks(data_dir)
+                blocks = (tokens, doc_ids)
+            self.gold_table = blocks
         kw = dict(model=model, mesh=mesh)
         self._predict = jax.jit(
             functools.partial(qa_step.predict, length=qa_step.reader_len(config), **kw)
@@ -125,17 +152,44 @@ class Predictor:
             ids[real], scores[real] = found, s
         return ids, scores
 
+    def _gold(self, chunk, answer_ids, batch_size: int, by_doc):
+        """The gold retriever: (block ids [B, R] int32, missing [len(chunk)] bool): each
+        question's gold passage blocks (answer-holding first), the first R of them, repeated
+        in turn to fill the R slots; block 0 for a question without one (missing)."""
+        tokens, doc_ids = self.gold_table
+        lists, _ = qa_data.gold_blocks(chunk, doc_ids, tokens, answer_ids[: len(chunk)], by_doc)
+        R = self.reader_beam
+        ids = np.zeros((batch_size, R), np.int32)
+        missing = np.zeros((len(chunk),), bool)
+        for b, found in enumerate(lists):
+            if found:
+                ids[b] = [found[j % len(found)] for j in range(R)]
+            else:
+                missing[b] = True
+        return ids, missing
+
     def run(self, params, examples: list[qa_answers.QAExample], batch_size: int, read=True):
         """(one record per question, metrics) for the examples, in order. read=False:
-        retrieval alone (recall@k; no reader, and for BM25 no model at all)."""
+        retrieval alone (recall@k; no reader, and for BM25 no model at all; not for gold)."""
         d, q = self.config.data, self.config.qa
-        records, hits = [], []
+        gold = self.retriever == "gold"
+        if gold and not read:
+            raise ValueError("the gold retriever reads the gold passage: no retrieval to score")
+        records, hits, gold_missing = [], [], 0
+        if gold:  # the gold passages' blocks: one pass over the corpus's doc_ids
+            by_doc = qa_data.blocks_by_doc(self.gold_table[1], (e.gold_passage for e in examples))
         for i in range(0, len(examples), batch_size):
             chunk = examples[i : i + batch_size]
             padded = chunk + [qa_answers.QAExample("", ("",))] * (batch_size - len(chunk))
             arrays, _ = qa_data.encode(padded, d.query_len, q.answer_len, q.max_answers)
             q_ids = arrays["question_ids"]
-            ids, scores = self._retrieve(params, [e.question for e in padded], q_ids)
+            missing = np.zeros((len(chunk),), bool)
+            if gold:
+                ids, missing = self._gold(chunk, arrays["answer_ids"], batch_size, by_doc)
+                scores = None
+                gold_missing += int(missing.sum())
+            else:
+                ids, scores = self._retrieve(params, [e.question for e in padded], q_ids)
             pred = None
             if read:
                 pred = sharding.to_host(
@@ -147,17 +201,31 @@ class Predictor:
                 sharding.to_host(self._has(ids, arrays["answer_ids"], self.index.tokens))
             )
             for b, ex in enumerate(chunk):
+                if missing[b]:  # gold: no gold passage to read; scored as wrong
+                    has[b] = False
+                    records.append(self._gold_missing(ex))
+                    hits.append(has[b])
+                    continue
                 if ex.is_regex:  # regex answers: search the blocks' text on the host
                     has[b] = [self._regex_in_block(ex.answers, j) for j in ids[b]]
                 if read:
-                    records.append(self._record(ex, ids[b], pred, b))
+                    rec = self._record(ex, ids[b], pred, b, has[b])
                 else:
-                    records.append(self._retrieved(ex, ids[b], scores[b], has[b]))
+                    rec = self._retrieved(ex, ids[b], scores[b], has[b])
+                if gold:
+                    rec["gold_passage"] = ex.gold_passage
+                else:  # per-question recall@k flags (bootstrap from the records)
+                    rec["hits"] = {str(k): bool(has[b][:k].any()) for k in self.ks}
+                records.append(rec)
                 hits.append(has[b])
         hits = np.asarray(hits, bool).reshape(len(records), -1)
         metrics = {"questions": float(len(records))}
         if read:
             metrics["exact_match"] = float(np.mean([r["correct"] for r in records] or [0.0]))
+        if gold:  # recall@k would only restate the gold passage's coverage
+            metrics["gold_missing"] = float(gold_missing)
+            metrics["gold_answer_coverage"] = float(hits.any(axis=1).mean()) if records else 0.0
+            return records, metrics
         for k in self.ks:
             metrics[f"recall@{k}"] = float(hits[:, :k].any(axis=1).mean()) if records else 0.0
         return records, metrics
@@ -180,7 +248,20 @@ class Predictor:
         ]
         return {"question": ex.question, "gold": list(ex.answers), "top_blocks": top}
 
-    def _record(self, ex, ids, pred, b: int) -> dict:
+    def _gold_missing(self, ex) -> dict:
+        return {
+            "question": ex.question,
+            "prediction": "",
+            "gold": list(ex.answers),
+            "correct": False,
+            "gold_missing": True,
+            "gold_passage": ex.gold_passage,
+            "block": None,
+            "score": None,
+            "top_blocks": [],
+        }
+
+    def _record(self, ex, ids, pred, b: int, has) -> dict:
         r = int(pred["best_block"][b])
         rec = self._block(ids[r])
         title = rec["title"].decode()
@@ -191,10 +272,20 @@ class Predictor:
             int(pred["start"][b]),
             int(pred["end"][b]),
         )
-        top = []
+        top, seen = [], set()
         for j in range(self.reader_beam):
+            if self.retriever == "gold" and int(ids[j]) in seen:  # a short passage, repeated
+                continue
+            seen.add(int(ids[j]))
             t = self._block(ids[j])["title"].decode()
-            top.append({"id": int(ids[j]), "title": t, "score": float(pred["relevance"][b, j])})
+            top.append(
+                {
+                    "id": int(ids[j]),
+                    "title": t,
+                    "score": float(pred["relevance"][b, j]),
+                    "has_answer": bool(has[j]),
+                }
+            )
         return {
             "question": ex.question,
             "prediction": answer,

@@ -14,6 +14,15 @@ Where we differ on purpose:
   for gold spans). ORQA's has_answer op searches the raw block string instead; on device there
   is no string, and a token match cannot fire inside a longer word ("art" in "party").
 - A batch holds many questions (ORQA's model_fn takes one); the loss is their mean.
+- qa.gold_in_beam (off by default; on in configs/orqa.py:squad): a deviation from ORQA, which
+  has no gold passages (REALM and ORQA fine-tune on NQ). When a question's gold block (the
+  answer-holding block of its SQuAD gold passage, qa/data.py gold_blocks) is not among the top
+  R retrieved, it takes the reader beam's last slot (R - 1), with its retrieval logit computed
+  from the frozen index as for any retrieved block (query . index_emb[gold]), so the joint
+  span + retrieval logits stay consistent. The small reader then gets a supervised read on
+  every such question instead of only the ~30% whose answer the dense top R happens to hold
+  (issue 22). The retriever loss is ORQA's, over the top k as retrieved; questions without a
+  gold block (-1: NQ files, or no block of the passage holds an answer) are unaffected.
 
 Shapes: B questions, A answers of up to La wordpieces each (zero-padded), k retrieved blocks,
 R read blocks, S candidate spans, Lq / Lb / Lr question / block / reader lengths.
@@ -97,14 +106,36 @@ def span_correct(joint_ids, block_mask, answers, starts, ends):
 
 def retrieve(params, question_ids, index_emb, index_tokens, *, model, mesh, k, num_valid, rng=None):
     """Top-k blocks by exact MIPS: (block ids [B, k], retrieval logits [B, k] (differentiable
-    in the query embedder; the index is frozen), block tokens [B, k, Lb])."""
+    in the query embedder; the index is frozen), block tokens [B, k, Lb], query embeddings
+    [B, D])."""
     q = embed_query_tokens(model, params, question_ids, rng)  # [B, D]
     none = jnp.full((q.shape[0],), -1, jnp.int32)
     _, ids, tokens = mips.search_and_fetch(
         mesh, jax.lax.stop_gradient(q), index_emb, index_tokens, none, k=k, num_valid=num_valid
     )
     rows = mips.fetch_rows(mesh, index_emb, ids)  # [B, k, D]
-    return ids, jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype)), tokens
+    return ids, jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype)), tokens, q
+
+
+def insert_gold(q, ids, logits, tokens, gold, index_emb, index_tokens, *, mesh):
+    """qa.gold_in_beam: the reader beam with each question's gold block in its last slot where
+    retrieval missed it (a deviation from ORQA; see the module docstring).
+
+    q [B, D] query embeddings; ids / logits [B, R], tokens [B, R, Lb]: the top R retrieved;
+    gold [B] int32 (-1: none). The gold block's row and tokens are gathered from the
+    row-sharded index like any retrieved block's (fetch_rows), its logit is q . index_emb[gold]
+    (differentiable in the query embedder, as the retrieved ones). Shapes do not change.
+    Returns (ids, logits, tokens, inserted [B] bool)."""
+    last = ids.shape[1] - 1
+    inserted = (gold >= 0) & ~(ids == gold[:, None]).any(axis=1)
+    safe = jnp.maximum(gold, 0)[:, None]  # [B, 1]; a -1 row reads block 0, then is dropped
+    row = mips.fetch_rows(mesh, index_emb, safe)[:, 0]  # [B, D]
+    tok = mips.fetch_rows(mesh, index_tokens, safe)[:, 0]  # [B, Lb]
+    logit = jnp.einsum("bd,bd->b", q, row.astype(q.dtype)).astype(logits.dtype)
+    ids = ids.at[:, last].set(jnp.where(inserted, gold, ids[:, last]))
+    logits = logits.at[:, last].set(jnp.where(inserted, logit, logits[:, last]))
+    tokens = tokens.at[:, last].set(jnp.where(inserted[:, None], tok, tokens[:, last]))
+    return ids, logits, tokens, inserted
 
 
 def read(params, question_ids, block_tokens, *, model, length: int, rng=None):
@@ -128,12 +159,30 @@ def read(params, question_ids, block_tokens, *, model, length: int, rng=None):
     return logits.reshape(B, R, -1), starts, ends, ids, bmask
 
 
-def qa_loss(params, batch, index_emb, index_tokens, *, model, mesh, beams, length, num_valid, rng):
+def qa_loss(
+    params,
+    batch,
+    index_emb,
+    index_tokens,
+    *,
+    model,
+    mesh,
+    beams,
+    length,
+    num_valid,
+    rng,
+    gold_in_beam=False,
+    details=False,
+):
     """ORQA's loss for a batch of questions; returns (loss, metrics). beams = (retriever beam
-    k, reader beam R)."""
+    k, reader beam R). gold_in_beam (qa.gold_in_beam): batch["gold_block"] [B] (-1: none)
+    takes the reader beam's last slot where retrieval missed it (insert_gold); the metrics
+    then hold gold_in_beam_rate, the share of questions whose gold block was inserted.
+    details: the metrics also hold read_ids / read_relevance [B, R] (the blocks read and their
+    retrieval logits) and query_emb [B, D], for inspection and tests (not for the loop's logs)."""
     k, R = beams
     q_ids, answers = batch["question_ids"], batch["answer_ids"]
-    _, r_logits, tokens = retrieve(
+    ids, r_logits, tokens, q = retrieve(
         params,
         q_ids,
         index_emb,
@@ -145,11 +194,15 @@ def qa_loss(params, batch, index_emb, index_tokens, *, model, mesh, beams, lengt
         rng=rng,
     )
     r_correct = contains_answer(tokens, answers)  # [B, k]
+    read_ids, rel, read_tokens = ids[:, :R], r_logits[:, :R], tokens[:, :R]
+    if gold_in_beam:  # a deviation from ORQA (the module docstring); the retriever loss stays
+        read_ids, rel, read_tokens, inserted = insert_gold(
+            q, read_ids, rel, read_tokens, batch["gold_block"], index_emb, index_tokens, mesh=mesh
+        )
     logits, starts, ends, j_ids, bmask = read(
-        params, q_ids, tokens[:, :R], model=model, length=length, rng=rng
+        params, q_ids, read_tokens, model=model, length=length, rng=rng
     )
     s_correct = span_correct(j_ids, bmask, answers, starts, ends)  # [B, R, S]
-    rel = r_logits[:, :R]
     total, retriever, reader = orqa_loss(r_logits, r_correct, logits, s_correct, rel)
     B = q_ids.shape[0]
     joint = (logits + rel[..., None]).reshape(B, -1)
@@ -159,12 +212,17 @@ def qa_loss(params, batch, index_emb, index_tokens, *, model, mesh, beams, lengt
         "retriever_loss": retriever.mean(),
         "reader_loss": reader.mean(),
         # ORQA's training-time metrics: the predicted span is an answer (token level), some
-        # read span is (reader oracle), some retrieved / top-R block holds one
+        # read span is (reader oracle), some retrieved / top-R block holds one (retrieval's
+        # own top R, before any gold block is inserted)
         "exact_match": jnp.take_along_axis(s_correct.reshape(B, -1), best[:, None], 1).mean(),
         "reader_oracle": s_correct.any(axis=(1, 2)).mean(),
         "retriever_recall": r_correct.any(axis=1).mean(),
         "reader_beam_recall": r_correct[:, :R].any(axis=1).mean(),
     }
+    if gold_in_beam:
+        metrics["gold_in_beam_rate"] = inserted.astype(jnp.float32).mean()
+    if details:
+        metrics.update(read_ids=read_ids, read_relevance=rel, query_emb=q)
     return metrics["loss"], metrics
 
 
@@ -197,6 +255,7 @@ def step_kwargs(config, mesh: Mesh, num_valid: int) -> dict:
         beams=(int(q.retriever_beam_size), int(q.reader_beam_size)),
         length=reader_len(config),
         num_valid=num_valid,
+        gold_in_beam=bool(q.get("gold_in_beam", False)),
     )
 
 

@@ -34,6 +34,14 @@ def command(args, overrides: list[str]) -> int:
             args.config, args.workdir, overrides, args.tpu, prepare=args.prepare,
             dry_run=args.dry_run,
         )  # fmt: skip
+    only = [n for n in getattr(args, "only", "").split(",") if n]
+    if only and args.tpu:
+        raise ConfigError("--only selects points of a local sweep; tpu/sweep.sh runs them all")
     return runner.run_local(
-        args.config, args.workdir, overrides, cpu_devices=args.cpu_devices, dry_run=args.dry_run
+        args.config,
+        args.workdir,
+        overrides,
+        cpu_devices=args.cpu_devices,
+        dry_run=args.dry_run,
+        only=only,
     )

@@ -84,10 +84,15 @@ def load_points(spec: str, prefix: str, extra: list[str]) -> list[Point]:
     return out
 
 
+# data fields that only the reader of a prepared folder uses (the masks drawn at read time,
+# grain's worker processes): points differing in them share one prepared folder
+READ_TIME_DATA_FIELDS = ("data_dir", "mask_mode", "worker_count")
+
+
 def _data_key(config) -> str:
-    """What a prepared folder depends on: the whole `data` section but where it lives
-    (conservative: a field prepare ignores only costs a second prepare)."""
-    fields = {k: v for k, v in config.data.to_dict().items() if k != "data_dir"}
+    """What a prepared folder depends on: the `data` section but where it lives and what is
+    read-time only (conservative: another field prepare ignores only costs a second prepare)."""
+    fields = {k: v for k, v in config.data.to_dict().items() if k not in READ_TIME_DATA_FIELDS}
     return json.dumps(fields, sort_keys=True, default=str)
 
 
@@ -167,13 +172,18 @@ def _train_point(p: Point, cmd: list[str], label: str) -> tuple[bool, float]:
     return markers.finish(p.workdir, record, rc), wall  # as tpu/sweep.sh's points end
 
 
-def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False) -> int:
-    """Prepare, then train every point not yet done; exit status 1 if any failed, 130 when
-    interrupted (the point in progress stays pending: its trainer checkpointed)."""
+def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False, only=()) -> int:
+    """Prepare, then train every point not yet done (of `only`'s names when given); exit
+    status 1 if any failed, 130 when interrupted (the point in progress stays pending: its
+    trainer checkpointed)."""
     spec, prefix = resolve_spec(spec), fs.abspath(prefix)
     points = load_points(spec, prefix, extra)
+    unknown = sorted(set(only) - {p.name for p in points})
+    if unknown:
+        names = ", ".join(p.name for p in points)
+        raise ConfigError(f"--only: no sweep point named {', '.join(unknown)} (points: {names})")
     groups = _data_groups(points, prefix)
-    pending = [p for p in points if not p.done()]
+    pending = [p for p in points if not p.done() and (not only or p.name in only)]
     prepares = [
         (folder, _command("prepare", spec, prefix, extra, members[0].overrides, folder, 0))
         for folder, members in groups.items()
@@ -191,9 +201,13 @@ def run_local(spec, prefix, extra, *, cpu_devices=0, dry_run=False) -> int:
     fs.check_buckets([prefix])
     fs.makedirs(prefix)
     table.save_plan(prefix, spec, extra, [(p.name, p.overrides) for p in points])
-    status = {p.name: "skipped" for p in points if p not in pending}
-    for name in status:
-        print(f"sweep: skipping {name}: {fs.join(prefix, name, table.DONE)} exists")
+    status = {p.name: "skipped" for p in points if p not in pending and p.done()}
+    status |= {p.name: "pending" for p in points if p not in pending and not p.done()}
+    for name, why in status.items():
+        if why == "skipped":
+            print(f"sweep: skipping {name}: {fs.join(prefix, name, table.DONE)} exists")
+        else:
+            print(f"sweep: leaving {name} pending (not in --only)")
     try:
         _run_points(points, prepares, runs, status, prefix)
     except KeyboardInterrupt:

@@ -71,7 +71,8 @@ def fingerprint(config, data_dir: str) -> dict:
     task, the model's architecture (config.model but the weight sources and the fields in
     UNFINGERPRINTED_MODEL_FIELDS), the prepared data's identity (its summary's fingerprint,
     config and counts, under "prepared.") and what the data iterator's saved state depends on
-    (train.batch_size, data.seed). init_or_resume compares it with the checkpoint's."""
+    (train.batch_size, data.seed, REALM's read-time data.mask_mode). init_or_resume compares
+    it with the checkpoint's."""
     model = {
         k: v
         for k, v in config.model.to_dict().items()
@@ -90,6 +91,8 @@ def fingerprint(config, data_dir: str) -> dict:
     _flat("prepared.counts", summary.get("counts", {}), out)
     out["train.batch_size"] = config.train.batch_size
     out["data.seed"] = config.data.seed
+    if config.get("task") == "realm":  # the masks it reads (absent in older checkpoints)
+        out["data.mask_mode"] = config.data.get("mask_mode", "salient")
     return json.loads(json.dumps(out))  # tuples as lists: as it reads back from the metadata
 
 
