@@ -18,7 +18,7 @@ $(STAMP): requirements.txt pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The TPU compiler (libtpu) lives in its own venv: `plan` and the slow tests compile for TPU
 # slices without a TPU; the default venv stays CPU-only.

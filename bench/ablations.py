@@ -169,7 +169,8 @@ class Suite:
 
     def pretrain(self, ict: str, indexes: list[int]) -> dict[int, tuple[str, str]]:
         """{sweep index: (point workdir, stamp)}: the REALM arms of these sweep indexes through
-        `realm-jax sweep` (--only them when not all)."""
+        `realm-jax sweep` (--only them when not all), and every other arm whose finished
+        pre-training is on disk with a current stamp (reported, not run)."""
         from realm_jax.sweep import markers
         from realm_jax.sweep.points import sweep_points
 
@@ -177,11 +178,14 @@ class Suite:
         points = sweep_points(ABLATIONS, extra)
         only = len(indexes) < len(points)
         out, pending = {}, False
+        found = {}
         for i, (name, own) in enumerate(points):
-            if i not in indexes:
-                continue
             work = os.path.join(prefix, name)
             want = stage_stamp.stamp(ABLATIONS, [*extra, *(o[9:] for o in own)], [ict])
+            if i not in indexes:
+                if stage_stamp.current(work, want):
+                    found[i] = (work, want)
+                continue
             if stage_stamp.begin(f"pretrain {name}", work, want):
                 pending = True
             out[i] = (work, want)
@@ -202,20 +206,25 @@ class Suite:
                 wall = json.load(f)["wall_s"]
             arm = next(key for key, _, index, _ in ARMS if index == i)
             self._time(f"pretrain {arm}", {"wall_seconds": wall})
-        return out
+        return out | found
 
-    def finetune(self, arm: str, init: list[str], upstream: str) -> str:
+    def finetune(self, arm: str, init: list[str], upstream: str, go: bool = True) -> str | None:
+        """The arm's fine-tuning stamp, after running it if needed (go=False: only when it is
+        on disk already, else None)."""
         work, over = self.workdir("finetune", arm), self.s["finetune"] + init
         want = stage_stamp.stamp(ORQA, over, [upstream])
+        if not go:
+            return want if stage_stamp.current(work, want) else None
         if stage_stamp.begin(f"finetune {arm}", work, want):
             t = run(["finetune", "--config", ORQA, "--workdir", work, *_overrides(over)])
             self._time(f"finetune {arm}", t)
             stage_stamp.write(work, want)
         return want
 
-    def evaluate(self, workdir: str, init: list[str], upstream: str, name: str, extra):
+    def evaluate(self, workdir: str, init: list[str], upstream: str, name: str, extra, go=True):
         """One evaluate run on `workdir` (reused when its upstream stage and the arguments are
-        the same): its metrics and per-question records."""
+        the same): its metrics and per-question records (go=False: only when on disk already,
+        else None)."""
         out = os.path.join(workdir, "eval", name)
         limit = ["--limit", str(self.s["limit"])] if self.s["limit"] else []
         args = ["evaluate", "--config", ORQA, "--workdir", workdir, "--output", out]
@@ -224,6 +233,8 @@ class Suite:
         stamp_path = out + ".stamp"
         fresh = os.path.exists(stamp_path) and open(stamp_path).read() == key
         if not fresh or not os.path.exists(out + ".metrics.json"):
+            if not go:
+                return None
             label = os.path.relpath(workdir, self.prefix).replace(os.sep, " ")
             self._time(f"evaluate {label} {name}", run(args))
             with open(stamp_path, "w") as f:
@@ -234,11 +245,11 @@ class Suite:
             records = [json.loads(line) for line in f if line.strip()]
         return metrics, records
 
-    def zeroshot(self, arm: str, init: list[str], upstream: str):
+    def zeroshot(self, arm: str, init: list[str], upstream: str, go: bool = True):
         """The pre-trained retriever before any fine-tuning, in its own workdir (evaluate
         embeds and publishes the warm start's index there): the paper's zero-shot recall."""
         work = self.workdir("zeroshot", arm)
-        return self.evaluate(work, init, upstream, "zeroshot", ZEROSHOT)
+        return self.evaluate(work, init, upstream, "zeroshot", ZEROSHOT, go)
 
 
 def init_overrides(suite: Suite, arm: str) -> list[str]:
@@ -321,12 +332,15 @@ def report(suite: Suite, results: dict, curves: dict, made: str, arms: list[str]
         "" if suite.scale == "full" else f" ({suite.scale} scale)"
     )
     every = len(set(arms)) == len(ARMS)
-    command = f"python bench/ablations.py --scale {suite.scale}"
-    command += "" if every else f" --arms {','.join(a for a, _, _, _ in ARMS if a in arms)}"
     lines = [
-        f"Produced by `{command}` (`make ablations` runs every arm) from stages made at commit "
-        f"{made} (each reused only when its config and code match)."
-        + ("" if every else " Arms marked *not run* were not run by this command."),
+        f"Produced by `python bench/ablations.py --scale {suite.scale}` (`make ablations`; "
+        "`--arms` runs some arms, `--stages zeroshot` stops before fine-tuning) from stages "
+        f"made at commit {made}, each reused only when its config and code match."
+        + (
+            ""
+            if every
+            else " Cells of stages not run yet are `-`; arms marked *not run* have none."
+        ),
         "SQuAD v1.0 questions about the held-out articles"
         + (f" (the first {limit})" if limit else "")
         + ", answered over the full corpus; exact match (EM) after ORQA's normalisation;",
@@ -386,6 +400,12 @@ def main() -> int:
         + ", ".join(key for key, _, _, _ in ARMS)
         + " (bm25 comes with salient, whose reader it uses)",
     )
+    p.add_argument(
+        "--stages",
+        choices=("all", "zeroshot"),
+        default="all",
+        help="zeroshot: pre-train the arms and score their zero-shot retrieval, no fine-tuning",
+    )
     p.add_argument("--no-doc", action="store_true", help="run the stages, leave the docs alone")
     args = p.parse_args()
     keys = [key for key, _, _, _ in ARMS]
@@ -399,39 +419,39 @@ def main() -> int:
 
     suite = Suite(args.scale)
     ict = suite.ict(suite.prepare())
-    dense = [(k, label, i) for k, label, i, _ in ARMS if k != "bm25" and k in arms]
+    # every dense arm; those not asked for are reported from what is on disk (current stamps)
+    dense = [(k, label, i) for k, label, i, _ in ARMS if k != "bm25"]
     inits = {key: init_overrides(suite, key) for key, _, _ in dense}
     results: dict[str, dict] = {key: {} for key, _, _, _ in ARMS}
-    if "ict" in arms:
-        results["ict"]["zeroshot"] = suite.zeroshot("ict", inits["ict"], ict)[1]
-    # the sweep: the REALM arms, point by point
-    pretrained = suite.pretrain(ict, [i for _, _, i in dense if i is not None])
-    upstream = {key: ict if i is None else pretrained[i][1] for key, _, i in dense}
-    for key, _, index in dense:  # the zero-shot table first: it needs no fine-tuning
-        if index is not None:
-            results[key]["zeroshot"] = suite.zeroshot(key, inits[key], upstream[key])[1]
+    # the sweep: the REALM arms asked for, point by point
+    pretrained = suite.pretrain(ict, [i for k, _, i in dense if i is not None and k in arms])
+    upstream = {
+        key: ict if i is None else pretrained.get(i, (None, None))[1] for key, _, i in dense
+    }
     curves: dict[str, dict[int, float]] = {}
-    for key, label, index in dense:
-        finetuned = suite.finetune(key, inits[key], upstream[key])
-        work = suite.workdir("finetune", key)
-        names = [n for n, _ in EVALS][: len(EVALS) if key == "salient" else 3]
-        got = {n: suite.evaluate(work, inits[key], finetuned, n, dict(EVALS)[n]) for n in names}
-        results[key] |= {
-            "em": got["dense"][1],
-            "after": got["dense-retrieval"][1],
-            "gold": got["gold"][1],
-        }
-        if key == "salient":
-            results["bm25"] = {
-                "zeroshot": got["bm25-retrieval"][1],
-                "em": got["bm25"][1],
-                "after": None,
-            }
+    for key, label, index in dense:  # the zero-shot table first: it needs no fine-tuning
+        if upstream[key] is None:
+            continue
+        got = suite.zeroshot(key, inits[key], upstream[key], go=key in arms)
+        results[key]["zeroshot"] = got and got[1]
         if index is not None:
             scalars = read_scalars(pretrained[index][0])
             curves[label] = scalars.get("eval/retrieval_utility", {})
-    made = stage_stamp.made_at(suite.workdir("finetune", dense[0][0]))
-    title, body = report(suite, results, curves, made, arms)
+    for key, _, _ in dense:
+        go = key in arms and args.stages == "all"
+        finetuned = upstream[key] and suite.finetune(key, inits[key], upstream[key], go)
+        if not finetuned:
+            continue
+        work = suite.workdir("finetune", key)
+        names = [n for n, _ in EVALS][: len(EVALS) if key == "salient" else 3]
+        got = {n: suite.evaluate(work, inits[key], finetuned, n, dict(EVALS)[n], go) for n in names}
+        got = {n: r and r[1] for n, r in got.items()}
+        results[key] |= {"em": got["dense"], "after": got["dense-retrieval"], "gold": got["gold"]}
+        if key == "salient":
+            results["bm25"] = {"zeroshot": got["bm25-retrieval"], "em": got["bm25"], "after": None}
+    done = [k for k, r in results.items() if any(v is not None for v in r.values())]
+    made = stage_stamp.made_at(suite.workdir("ict"))
+    title, body = report(suite, results, curves, made, done)
     if args.no_doc or args.scale != "full":
         print(f"## {title}\n\n{body}")
         return 0

@@ -169,3 +169,23 @@ def test_the_arms_share_one_prepared_folder(tmp_path):
     assert len(runner._data_groups(points, str(tmp_path))) == 1
     over = runner.load_points(f"{ABLATIONS}:smoke", str(tmp_path), ["data.block_len=64"])
     assert len(runner._data_groups(over, str(tmp_path))) == 1
+
+
+def test_the_report_tables_what_was_run_and_marks_the_rest():
+    bench = _bench("ablations")
+    suite = bench.Suite("quick")
+    suite.timings = {"pretrain salient": {"wall_seconds": 120.0}}
+    right = {"correct": True, "hits": {"5": True, "20": True}}
+    wrong = {"correct": False, "hits": {"5": False, "20": True}}
+    results = {key: {} for key, _, _, _ in bench.ARMS}
+    results["salient"] = {"zeroshot": [right, wrong], "em": [wrong, wrong], "after": None}
+    curves = {"REALM, salient span masks": {0: 0.08, 100: 0.17}}
+    title, body = bench.report(suite, results, curves, "abc123", ["salient"])
+    assert "quick scale" in title and "commit abc123" in body
+    rows = {line.split(" | ")[0]: line for line in body.splitlines() if line.startswith("| ")}
+    salient = rows["| REALM, salient span masks"].split(" | ")
+    assert salient[1].startswith("50.0 [") and salient[2].startswith("100.0 [100.0, 100.0]")
+    assert salient[3].startswith("0.0 [0.0, 0.0]") and salient[4] == "-"
+    assert salient[7] == "2.0"  # pre-training minutes
+    assert "| ICT only (ORQA's baseline) (*not run*)" in rows
+    assert "| 100 | 0.1700 |" in body  # the retrieval-utility table
