@@ -32,10 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -99,15 +96,7 @@ EVALS = [
 ]
 
 
-def run(args: list[str]) -> dict:
-    """Run `python -m realm_jax ARGS` from the repository root; its wall and CPU seconds."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    print("+ python -m realm_jax " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "realm_jax", *args], cwd=ROOT, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_seconds": time.perf_counter() - t0, "cpu_seconds": cpu}
+run = stage_stamp.run
 
 
 def _overrides(items: list[str]) -> list[str]:

@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -48,15 +45,7 @@ EVALS = [  # (label, retriever, extra args)
 ]
 
 
-def run(args: list[str]) -> dict:
-    """Run `python -m realm_jax ARGS`; returns its wall and CPU seconds (children's rusage)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    print("+ python -m realm_jax " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "realm_jax", *args], cwd=ROOT, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_seconds": time.perf_counter() - t0, "cpu_seconds": cpu}
+run = stage_stamp.run
 
 
 def _minutes(s: float) -> str:

@@ -16,7 +16,10 @@ import datetime
 import hashlib
 import json
 import os
+import resource
 import subprocess
+import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = "stage.json"
@@ -122,3 +125,15 @@ def set_aside(workdir: str) -> str | None:
     dest = f"{workdir}.stale-{when}"
     os.rename(workdir, dest)
     return dest
+
+
+def run(args: list[str]) -> dict:
+    """Run `python -m realm_jax ARGS` from the repository root (a stage of a multi-stage
+    benchmark); its wall and CPU seconds (children's rusage)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    print("+ python -m realm_jax " + " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "realm_jax", *args], cwd=ROOT, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_seconds": time.perf_counter() - t0, "cpu_seconds": cpu}
