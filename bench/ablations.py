@@ -174,6 +174,10 @@ class Suite:
             if i not in indexes:
                 if stage_stamp.current(work, want):
                     found[i] = (work, want)
+                    with open(os.path.join(work, "DONE")) as f:  # its time, as its sweep ran it
+                        wall = json.load(f)["wall_s"]
+                    arm = next(key for key, _, index, _ in ARMS if index == i)
+                    self._time(f"pretrain {arm}", {"wall_seconds": wall})
                 continue
             if stage_stamp.begin(f"pretrain {name}", work, want):
                 pending = True
