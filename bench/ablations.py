@@ -10,10 +10,14 @@ repository root (with ../shared beside it):
 
   1. prepare   configs/realm.py:squad (idempotent: prepare fingerprints its input)
   2. ict       configs/ict.py:squad -> PREFIX/ict: every dense arm's retriever warm start
-  3. pretrain  `realm-jax sweep --config configs/ablations.py:squad`: the four REALM arms,
+  3. read      configs/orqa.py:squad_read -> PREFIX/read: bert-tiny's reader (and its span
+               head) after a reading phase on the training articles' gold passages, every
+               dense arm's reader warm start (a deviation from the paper: see that config)
+  4. pretrain  `realm-jax sweep --config configs/ablations.py:squad`: the four REALM arms,
                point by point (resumable), in PREFIX/pretrain/<point>
-  4. finetune  configs/orqa.py:squad for each dense arm from its pre-trained networks (ICT
-               only: the ICT embedders and bert-tiny's reader), the same steps and settings
+  5. finetune  configs/orqa.py:squad for each dense arm from its pre-trained networks (ICT
+               only: the ICT embedders and the reading phase's reader), the same steps and
+               settings
   5. evaluate  zero-shot retrieval of answer-holding blocks by the pre-trained retriever
                (`evaluate --checkpoint initial --retrieval_only`), exact match and retrieval
                after fine-tuning, the reader given the question's gold passage; for the
@@ -45,7 +49,7 @@ from bench._report import write_section  # noqa: E402
 RESULTS = os.path.join(ROOT, "docs", "results.md")
 ABLATIONS = "configs/ablations.py:squad"
 ICT, ORQA = "configs/ict.py:squad", "configs/orqa.py:squad"
-BERT_TINY = "../shared/models/bert-tiny-mlm"
+READ = "configs/orqa.py:squad_read"
 
 # Overrides per scale (every stage's stamp includes them). full: the recipe's sizes, with
 # fewer REALM and fine-tuning steps than `make squad-qa` so six arms fit about 3 hours on 2
@@ -55,13 +59,15 @@ SCALES = {
     "full": {
         "prefix": "runs/ablations",
         "ict": [],
+        "read": [],
         "pretrain": ["train.steps=300"],
-        "finetune": ["train.steps=600"],
+        "finetune": ["train.steps=400"],
         "limit": 0,
     },
     "quick": {  # every stage and evaluation for a few steps: a check, not a finding
         "prefix": "runs/ablations-quick",
         "ict": ["train.steps=20", "train.eval_every=0", "train.checkpoint_every=20"],
+        "read": ["train.steps=10", "train.checkpoint_every=10", "train.batch_size=16"],
         "pretrain": [
             "train.steps=10",
             "train.eval_every=10",
@@ -85,6 +91,12 @@ ARMS = [
     ("stale", "REALM, 30x stale index", 3, (28.7, 15.1)),
 ]
 ZEROSHOT = ["--checkpoint", "initial", "--retrieval_only"]
+# the reading phase's reader, scored before any pre-training or fine-tuning: (name, evaluate
+# arguments, overrides): given the gold passage, and reading BM25's top 5 blocks
+READ_EVALS = [
+    ("gold", ["--retriever", "gold"], []),
+    ("bm25", ["--retriever", "bm25"], ["qa.reader_beam_size=5"]),
+]
 # evaluate runs after fine-tuning: (name, args); every dense arm gets the first three, the
 # salient arm all
 EVALS = [
@@ -125,8 +137,15 @@ class Suite:
         return os.path.join(self.prefix, *parts)
 
     def pretrain_extra(self) -> list[str]:
-        """The overrides every REALM arm's sweep point gets."""
-        return self.s["pretrain"] + [f"model.init_embedders_from_ict={self.workdir('ict')}"]
+        """The overrides every REALM arm's sweep point gets: the reading phase's reader (with
+        its span head, which pre-training carries untrained into fine-tuning) and the ICT
+        embedders."""
+        return self.s["pretrain"] + [
+            f"model.init_from_realm={self.workdir('read')}",
+            "model.init_span_head_from_realm=true",
+            "model.init_reader_from=",
+            f"model.init_embedders_from_ict={self.workdir('ict')}",
+        ]
 
     def point_workdir(self, arm: str) -> str:
         """The REALM arm's pre-training workdir (its sweep point's folder)."""
@@ -156,7 +175,18 @@ class Suite:
             stage_stamp.write(work, want)
         return want
 
-    def pretrain(self, ict: str, indexes: list[int]) -> dict[int, tuple[str, str]]:
+    def read(self, data: str) -> str:
+        """The reading phase: every dense arm's reader warm start."""
+        work, over = self.workdir("read"), self.s["read"]
+        want = stage_stamp.stamp(READ, over, [data])
+        if stage_stamp.begin("read", work, want):
+            self._time(
+                "read", run(["finetune", "--config", READ, "--workdir", work, *_overrides(over)])
+            )
+            stage_stamp.write(work, want)
+        return want
+
+    def pretrain(self, warm: str, indexes: list[int]) -> dict[int, tuple[str, str]]:
         """{sweep index: (point workdir, stamp)}: the REALM arms of these sweep indexes through
         `realm-jax sweep` (--only them when not all), and every other arm whose finished
         pre-training is on disk with a current stamp (reported, not run)."""
@@ -170,7 +200,7 @@ class Suite:
         found = {}
         for i, (name, own) in enumerate(points):
             work = os.path.join(prefix, name)
-            want = stage_stamp.stamp(ABLATIONS, [*extra, *(o[9:] for o in own)], [ict])
+            want = stage_stamp.stamp(ABLATIONS, [*extra, *(o[9:] for o in own)], [warm])
             if i not in indexes:
                 if stage_stamp.current(work, want):
                     found[i] = (work, want)
@@ -214,14 +244,18 @@ class Suite:
             stage_stamp.write(work, want)
         return want
 
-    def evaluate(self, workdir: str, init: list[str], upstream: str, name: str, extra, go=True):
+    def evaluate(
+        self, workdir: str, init: list[str], upstream: str, name: str, extra, go=True, spec=ORQA
+    ):
         """One evaluate run on `workdir` (reused when its upstream stage and the arguments are
         the same): its metrics and per-question records (go=False: only when on disk already,
-        else None)."""
+        else None). spec/init: the config the workdir was made with (ORQA: plus the suite's
+        fine-tuning overrides)."""
         out = os.path.join(workdir, "eval", name)
         limit = ["--limit", str(self.s["limit"])] if self.s["limit"] else []
-        args = ["evaluate", "--config", ORQA, "--workdir", workdir, "--output", out]
-        args += [*extra, *limit, *_overrides(self.s["finetune"] + init)]
+        over = self.s["finetune"] + init if spec == ORQA else init
+        args = ["evaluate", "--config", spec, "--workdir", workdir, "--output", out]
+        args += [*extra, *limit, *_overrides(over)]
         key = json.dumps([upstream, args])
         stamp_path = out + ".stamp"
         fresh = os.path.exists(stamp_path) and open(stamp_path).read() == key
@@ -246,15 +280,19 @@ class Suite:
 
 
 def init_overrides(suite: Suite, arm: str) -> list[str]:
-    """The fine-tuning warm start of an arm: its pre-trained networks (ICT only: the ICT
-    embedders and bert-tiny's reader, as ORQA starts from BERT)."""
+    """The fine-tuning warm start of an arm: its pre-trained networks with the span head of
+    the reading phase (ICT only: the ICT embedders and the reading phase's reader, as ORQA
+    starts from BERT)."""
     if arm == "ict":
         return [
-            "model.init_from_realm=",
+            f"model.init_from_realm={suite.workdir('read')}",
+            "model.init_span_head_from_realm=true",
             f"model.init_embedders_from_ict={suite.workdir('ict')}",
-            f"model.init_reader_from={BERT_TINY}",
         ]
-    return [f"model.init_from_realm={suite.point_workdir(arm)}"]
+    return [
+        f"model.init_from_realm={suite.point_workdir(arm)}",
+        "model.init_span_head_from_realm=true",
+    ]
 
 
 # ---------------------------------------------------------------------- statistics, report
@@ -368,6 +406,13 @@ def report(suite: Suite, results: dict, curves: dict, made: str, arms: list[str]
         f"The ICT warm start, shared by every dense arm: {_minutes(t.get('ict'))} min. Times are",
         "wall minutes on this machine's 2 CPU cores (a stage found done is not re-timed).",
         "",
+        "Every dense arm's reader starts from one reading phase (configs/orqa.py:squad_read,"
+        f" {_minutes(t.get('read'))} min; a deviation from the paper, whose BERT-base reader",
+        "needs none): bert-tiny's reader trained on the gold passages of the training articles'",
+        "questions. Right after it, before any pre-training or fine-tuning, that reader scores"
+        f" EM {cell(results.get('read', {}).get('gold'), 'em')} given the gold passage and",
+        f"EM {cell(results.get('read', {}).get('bm25'), 'em')} reading BM25's top 5 blocks.",
+        "",
         f"![retrieval utility by arm]({png})",
         "",
         "Retrieval utility (held-out, the paper's Figure 4): the masked span's log-likelihood",
@@ -411,15 +456,22 @@ def main() -> int:
     from realm_jax.train.metrics import read_scalars
 
     suite = Suite(args.scale)
-    ict = suite.ict(suite.prepare())
+    results: dict[str, dict] = {key: {} for key, _, _, _ in ARMS} | {"read": {}}
+    data = suite.prepare()
+    ict = suite.ict(data)
+    # every dense arm's warm start: the ICT embedders and the reading phase's reader
+    warm = ict + "+" + suite.read(data)
+    read_work = suite.workdir("read")
+    for name, extra, init in READ_EVALS:
+        got = suite.evaluate(read_work, init, warm, name, extra, spec=READ)
+        results["read"][name] = got and got[1]
     # every dense arm; those not asked for are reported from what is on disk (current stamps)
     dense = [(k, label, i) for k, label, i, _ in ARMS if k != "bm25"]
     inits = {key: init_overrides(suite, key) for key, _, _ in dense}
-    results: dict[str, dict] = {key: {} for key, _, _, _ in ARMS}
     # the sweep: the REALM arms asked for, point by point
-    pretrained = suite.pretrain(ict, [i for k, _, i in dense if i is not None and k in arms])
+    pretrained = suite.pretrain(warm, [i for k, _, i in dense if i is not None and k in arms])
     upstream = {
-        key: ict if i is None else pretrained.get(i, (None, None))[1] for key, _, i in dense
+        key: warm if i is None else pretrained.get(i, (None, None))[1] for key, _, i in dense
     }
     curves: dict[str, dict[int, float]] = {}
     for key, label, index in dense:  # the zero-shot table first: it needs no fine-tuning
@@ -442,7 +494,7 @@ def main() -> int:
         results[key] |= {"em": got["dense"], "after": got["dense-retrieval"], "gold": got["gold"]}
         if key == "salient":
             results["bm25"] = {"zeroshot": got["bm25-retrieval"], "em": got["bm25"], "after": None}
-    done = [k for k, r in results.items() if any(v is not None for v in r.values())]
+    done = [k for k, r in results.items() if k != "read" and any(v is not None for v in r.values())]
     made = stage_stamp.made_at(suite.workdir("ict"))
     title, body = report(suite, results, curves, made, done)
     if args.no_doc or args.scale != "full":

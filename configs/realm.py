@@ -55,6 +55,9 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
     m.init_embedders_from_ict = ""  # ICT workdir (its newest checkpoint) or checkpoint folder
     m.init_from_realm = ""  # REALM workdir: all three networks from its newest checkpoint
+    # with init_from_realm: its span head too (a fine-tuning workdir's, e.g. a reading phase's;
+    # pre-training never trains the span head, so by default it starts afresh, as in ORQA)
+    m.init_span_head_from_realm = False  # init_from_realm brings its span head too
     m.update(kw)
     return m
 
@@ -204,6 +207,12 @@ def _squad(c: ml_collections.ConfigDict) -> None:
     c.data.corpus = SHARED + "/data/squad/corpus_train.jsonl"  # 18,896 titled paragraphs
     c.data.data_dir = "runs/squad-data"  # shared by the ICT and REALM runs
     c.data.block_len = 192  # most paragraphs fit one block
+    # The span head (fine-tuning only) is sized here so that a reading phase's trained head
+    # (configs/orqa.py:squad_read) survives REALM pre-training into ORQA fine-tuning: ORQA's 256
+    # is a third of BERT-base's width, bert-tiny is 128 wide (and at 256 the [spans, width]
+    # activations dominated the step); 7.6% of SQuAD answers exceed 10 wordpieces, 2.9% 16.
+    c.model.span_hidden_size = 64  # span head width (above)
+    c.model.max_span_width = 16  # longest answer span in wordpieces (above)
     c.data.query_len = 64  # SQuAD sentences
     c.data.ner_processes = 2  # both cores for spaCy at prepare time
     c.train.batch_size = 16  # global batch

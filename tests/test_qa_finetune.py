@@ -211,6 +211,22 @@ def test_finetune_learns_keeps_the_best_and_evaluates(files, tmp_path):
     r = _cli(root, ddir, work, "ask", stdin="What is materialism?\nWho was Plato?\n\n")
     assert r.returncode == 0 and r.stdout.count("answer: ") == 2, r.stdout + r.stderr[-2000:]
 
+    # a fine-tuning workdir as another run's warm start (model.init_from_realm): its trained
+    # span head comes too only when asked for (a reading phase before ORQA fine-tuning)
+    from realm_jax.train import warm_start
+
+    mgr = checkpoint.manager(work, with_data=False, read_only=True)
+    mesh = sharding.make_mesh(config(root, ddir).mesh)
+    _, target = abstract_params(config(root, ddir), mesh, "reader")
+    saved = sharding.to_host(checkpoint.restore_params_subtree(mgr, 60, "reader", target))
+    fresh = warm_start.realm_params(work, config(root, ddir))["reader"]
+    carried = warm_start.realm_params(
+        work, config(root, ddir, "model.init_span_head_from_realm=True")
+    )["reader"]
+    assert "span" not in fresh and set(carried) == set(saved)
+    for a, b in zip(jax.tree.leaves(carried["span"]), jax.tree.leaves(saved["span"])):
+        np.testing.assert_array_equal(a, b)
+
 
 def test_bad_beams_are_refused_before_any_work(files, tmp_path):
     root, ddir = files

@@ -25,6 +25,7 @@ _NOT_ARCHITECTURE = (
     "init_reader_from",
     "init_embedders_from_ict",
     "init_from_realm",
+    "init_span_head_from_realm",
 )
 
 

@@ -88,10 +88,13 @@ def realm_params(path: str, config) -> dict:
     out = {}
     for name in dict.fromkeys(("query_embedder", doc_embedder_name(ecfg), "reader")):
         _, target = abstract_params(config, mesh, name)
-        if name == "reader":  # pre-training never trains the span head: it starts afresh,
-            target = {k: v for k, v in target.items() if k != "span"}  # any size (ORQA too)
+        # pre-training never trains the span head: it starts afresh, any size (ORQA too),
+        # unless the source is a fine-tuning run whose trained head is asked for
+        if name == "reader" and not config.model.get("init_span_head_from_realm", False):
+            target = {k: v for k, v in target.items() if k != "span"}
         out[name] = sharding.to_host(checkpoint.restore_params_subtree(mgr, step, name, target))
-    log.info("warm start: all three networks from REALM checkpoint %d in %s", step, path)
+    span = " (with its span head)" if config.model.get("init_span_head_from_realm", False) else ""
+    log.info("warm start: all three networks%s from checkpoint %d in %s", span, step, path)
     return out
 
 
