@@ -189,3 +189,21 @@ def test_the_report_tables_what_was_run_and_marks_the_rest():
     assert salient[7] == "2.0"  # pre-training minutes
     assert "| ICT only (ORQA's baseline) (*not run*)" in rows
     assert "| 100 | 0.1700 |" in body  # the retrieval-utility table
+
+
+def test_every_dense_arm_starts_from_the_reading_phase_reader():
+    """The reading phase's reader (and its span head) is every dense arm's warm start: the
+    REALM arms' pre-training (whose span head is carried untrained into fine-tuning) and the
+    ICT-only arm's fine-tuning; the ICT embedders come last, replacing the phase's."""
+    bench = _bench("ablations")
+    suite = bench.Suite("quick")
+    read = f"model.init_from_realm={suite.workdir('read')}"
+    extra = suite.pretrain_extra()
+    assert read in extra and "model.init_span_head_from_realm=true" in extra
+    assert "model.init_reader_from=" in extra  # bert-tiny's HF reader would replace it
+    assert f"model.init_embedders_from_ict={suite.workdir('ict')}" in extra
+    ict = bench.init_overrides(suite, "ict")
+    assert read in ict and "model.init_span_head_from_realm=true" in ict
+    salient = bench.init_overrides(suite, "salient")
+    assert salient[0].startswith("model.init_from_realm=" + suite.workdir("pretrain"))
+    assert "model.init_span_head_from_realm=true" in salient

@@ -225,8 +225,10 @@ def _mutated(config: ml_collections.ConfigDict, section: str) -> ml_collections.
     return out
 
 
-@pytest.mark.parametrize("task", ("ict", "orqa"))
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "task,variant",
+    [(t, v) for t in ("ict", "orqa") for v in VARIANTS] + [("orqa", "squad_read")],
+)
 def test_task_configs_inherit_no_training_setting_silently(task, variant, monkeypatch):
     """A task config (ICT, ORQA) built on configs/realm.py must set every train.* field that
     shapes what it trains itself, or name it in its INHERITED tuple. Every train field of the
@@ -254,6 +256,24 @@ def test_ict_squad_trains_its_embedders_at_the_full_lr():
     ict = load_config(os.path.join(REPO, "configs", "ict.py") + ":squad")
     realm = load_config(f"{CONFIG}:squad")
     assert realm.train.embedder_lr_scale == 0.1 and ict.train.embedder_lr_scale == 1.0
+
+
+def test_the_reading_phase_trains_the_reader_alone_on_training_articles():
+    """configs/orqa.py:squad_read (issue 22's reading phase): bert-tiny's reader on gold
+    passages, one block a question, no held-out article, the retriever left as it is; its span
+    head fits the squad recipe's, so REALM pre-training can carry it into fine-tuning."""
+    read = load_config(os.path.join(REPO, "configs", "orqa.py") + ":squad_read")
+    squad = load_config(os.path.join(REPO, "configs", "orqa.py") + ":squad")
+    realm = load_config(f"{CONFIG}:squad")
+    assert read.variant == "squad_read" and read.task == "qa"
+    assert read.qa.gold_in_beam and read.qa.reader_beam_size == 1
+    assert read.qa.train_holdout == "train" and read.train.embedder_lr_scale == 0.0
+    assert read.model.init_from_realm == "" and read.model.init_reader_from.endswith(
+        "bert-tiny-mlm"
+    )
+    for field in ("span_hidden_size", "max_span_width"):
+        assert read.model[field] == squad.model[field] == realm.model[field]
+    assert not realm.model.init_span_head_from_realm  # pre-training's head is never trained
 
 
 def test_lockstep_refresh_needs_checkpoints_at_every_refresh():
