@@ -172,8 +172,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # ---------------------------------------------------------------- index refresh
     c.refresh = ml_collections.ConfigDict()
-    c.refresh.mode = "external"  # external (refresh job) or inprocess (trainer re-embeds)
-    c.refresh.every = 20 if variant == "smoke" else 500  # inprocess: steps between re-embeddings
+    # external (a refresh job), inprocess (the trainer re-embeds the whole corpus every
+    # refresh.every steps) or amortized (1/refresh.every of it before every step: index/feed.py)
+    c.refresh.mode = "external"  # external, inprocess or amortized (above)
+    c.refresh.every = 20 if variant == "smoke" else 500  # inprocess/amortized: steps a refresh
     c.refresh.check_every = 10 if variant == "base" else 1  # external: steps between looks for
     # a newly published index (on a pod each look is one broadcast from process 0)
     c.refresh.keep = 3  # index versions kept by the refresher

@@ -223,7 +223,7 @@ CHOICES = {
     "data.mask_mode": ("salient", "random_span", "uniform"),  # = data/masking.py MASK_MODES
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),
-    "refresh.mode": ("external", "inprocess"),
+    "refresh.mode": ("external", "inprocess", "amortized"),
     "model.dtype": ("float32", "bfloat16"),
     "model.embedder.hidden_act": ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     "model.reader.hidden_act": ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),

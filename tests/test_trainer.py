@@ -447,3 +447,68 @@ def test_local_stops_when_its_refresher_dies(data_dir, tmp_path):
         parent.kill()
     assert parent.returncode != 0
     assert "the refresh job" in out and "exited with code -9" in out
+
+
+def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_dir, tmp_path):
+    """refresh.mode=amortized: before each step every device re-embeds 1/refresh.every of its
+    own rows; after refresh.every steps the served index is exactly those slices, each as a
+    whole-pass embedding with that step's parameters would give it (8 devices, every=5: the
+    last slice is moved back to end at the last row, overlapping the one before)."""
+    every = 5
+    cfg = config(f"data.data_dir={data_dir}", "refresh.mode=amortized", f"refresh.every={every}")
+    tokens = prepared.load_blocks(data_dir)[0]
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, _, state0, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    params = [
+        jax.tree.map(
+            lambda p, k=jax.random.key(s): p + 0.05 * jax.random.normal(k, p.shape, p.dtype),
+            state0.params,
+        )
+        for s in range(2 * every)
+    ]
+    feed = IndexFeed(cfg, str(tmp_path), mesh, model, tokens)
+    feed.start(params[0], 0)
+    whole = [np.asarray(feed.embed(p, feed.tokens)) for p in params]  # a whole pass each
+    n_dev = mesh.devices.size
+    per_dev = whole[0].shape[0] // n_dev
+
+    def expected(steps):  # steps[j]: the step whose parameters embedded slice j
+        out = whole[0].reshape(n_dev, per_dev, -1).copy()
+        for j, s in enumerate(steps):
+            first, size = corpus.slice_rows(per_dev, every, j)
+            out[:, first : first + size] = whole[s].reshape(n_dev, per_dev, -1)[
+                :, first : first + size
+            ]
+        return out.reshape(whole[0].shape)
+
+    first, size = corpus.slice_rows(per_dev, every, every - 1)
+    assert first + size == per_dev and first < (every - 1) * size  # the overlap is exercised
+    served = {}
+    for step in range(1, 2 * every):
+        assert feed.due(step)
+        assert feed.maybe_refresh(params[step], step) == (step % every == every - 1)
+        served[step] = (np.asarray(feed.emb), feed.step)
+    np.testing.assert_array_equal(served[1][0], whole[0])  # nothing served mid-cycle
+    # the first cycle: slice 0 from the first whole pass (step 0), then steps 1 .. every-1
+    np.testing.assert_allclose(served[every - 1][0], expected(range(every)), atol=1e-5)
+    assert served[every - 1][1] == 0 and served[every][1] == 0  # its oldest slice's step
+    last = 2 * every - 1
+    np.testing.assert_allclose(served[last][0], expected(range(every, 2 * every)), atol=1e-5)
+    assert served[last][1] == every
+
+
+def test_amortized_refresh_trains_without_a_refresh_job(data_dir, tmp_path):
+    """A REALM run with refresh.mode=amortized: no refresh job, no whole-pass stall after the
+    first index, staleness within 2 * refresh.every - 1 steps."""
+    cfg = config(
+        f"data.data_dir={data_dir}",
+        "refresh.mode=amortized",
+        "refresh.every=3",
+        "train.steps=8",
+        "train.checkpoint_every=8",
+    )
+    history = pretrain_commands.train(cfg, str(tmp_path))
+    steps = [h for h in history if "loss" in h]
+    assert len(steps) == 8 and all(np.isfinite(h["loss"]) for h in steps)
+    assert max(h["staleness"] for h in steps) <= 2 * 3 - 1
+    assert not os.path.exists(index_dir(str(tmp_path)))  # nothing published

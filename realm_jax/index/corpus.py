@@ -69,6 +69,41 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
     return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)
 
 
+def slice_rows(per_device: int, every: int, j: int) -> tuple[int, int]:
+    """(first row, row count) of slice j of `every` in each device's `per_device` rows of the
+    index: ceil(per_device / every) rows a slice, the last slices moved back to end at the
+    last row (so they may overlap the one before: a row embedded twice keeps the newer).
+    slice_embed_fn's rule, for a reader of its output (tests, docs)."""
+    size = max(1, -(-per_device // every))
+    size = min(size, per_device)
+    return min(j * size, per_device - size), size
+
+
+def slice_embed_fn(model, mesh: Mesh, every: int):
+    """A jitted function re-embedding one slice of the index on every device (the amortised
+    refresh, refresh.mode=amortized): (params, tokens [N, Lb], emb [N, D], j) -> emb with
+    rows slice_rows(N / devices, every, j) of each device's own rows re-embedded with
+    `params`. Each device embeds only rows it holds, so there is no cross-device traffic; after
+    `every` calls (j = 0 .. every-1) every row is new."""
+    rows = sharding.rows_sharding(mesh)
+
+    def embed(params, tokens, emb, j):
+        n_dev = mesh.devices.size
+        n = tokens.shape[0]
+        per_dev = n // n_dev
+        size = slice_rows(per_dev, every, 0)[1]
+        start = jnp.minimum(j * size, per_dev - size)
+        piece = jax.lax.dynamic_slice_in_dim(tokens.reshape(n_dev, per_dev, -1), start, size, 1)
+        flat = jax.lax.with_sharding_constraint(piece.reshape(n_dev * size, -1), rows)
+        new = embed_block_tokens(model, params, flat).astype(emb.dtype)
+        out = jax.lax.dynamic_update_slice_in_dim(
+            emb.reshape(n_dev, per_dev, -1), new.reshape(n_dev, size, -1), start, 1
+        )
+        return out.reshape(n, -1)
+
+    return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)
+
+
 def pad_index(emb: np.ndarray | None, tokens: np.ndarray, mesh: Mesh):
     """(embeddings [N, D] float32 or None, tokens [N, Lb] int32) padded with zero rows so
     every device holds the same number; padded rows are never retrieved (num_valid)."""

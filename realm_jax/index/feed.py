@@ -1,6 +1,23 @@
 """The trainer's side of the index: the row-sharded device matrix of block embeddings, swapped
-for a newer published version (external mode) or re-embedded on the trainer's own devices
-(inprocess mode). A swap keeps the array's shape and sharding, so nothing recompiles."""
+for a newer published version (external mode), re-embedded on the trainer's own devices
+(inprocess mode: the whole corpus between two steps), or re-embedded a slice a step (amortized
+mode). A swap keeps the array's shape and sharding, so nothing recompiles.
+
+refresh.mode=amortized is for a pod without a second slice for the refresh job. The paper
+(Guu et al. 2020, section 3.4) refreshes asynchronously: a separate set of TPUs re-embeds the
+13M blocks from the newest checkpoint about every 500 steps while the trainer never waits. Here
+the trainer's own devices do it instead, spread over refresh.every steps: before every step,
+each device re-embeds 1/refresh.every of its own rows (index/corpus.py slice_embed_fn, no
+cross-device traffic) into a building matrix with the current parameters; after refresh.every
+steps every row is new and the building matrix becomes the served index. The trainer never
+stops for a whole pass (only for the first index, and once on a resume); each step costs
+1/refresh.every of a pass more. The served index is made of slices embedded with the
+parameters of the refresh.every steps before it was completed, so a row is 1 to
+2*refresh.every - 1 steps old (the paper's asynchronous refresh: about 500 to 1000 at its
+pace); the staleness the trainer reports is that of its oldest slice. A resume re-embeds the
+whole corpus once with the restored parameters (the uninterrupted run's slices, made with
+parameters of several older steps, are not in the checkpoint), so an amortized run's resume is
+not bit-exact with the uninterrupted run; the other modes' resumes are."""
 
 from __future__ import annotations
 
@@ -8,16 +25,19 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from realm_jax import fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
-from realm_jax.index.corpus import embed_blocks_fn, pad_index
+from realm_jax.index.corpus import embed_blocks_fn, pad_index, slice_embed_fn
 from realm_jax.model.realm import RealmModel
 
 log = logging.getLogger("realm_jax.refresh")
+
+MODES = ("external", "inprocess", "amortized")
 
 
 class IndexFeed:
@@ -33,14 +53,19 @@ class IndexFeed:
         owner: str = "trainer",
     ):
         self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
-        if self.mode not in ("external", "inprocess"):
-            raise ValueError(f"refresh.mode must be external or inprocess, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"refresh.mode must be one of {MODES}, got {self.mode!r}")
         self.dir, self.owner = paths.index_dir(workdir), owner
         self.num_blocks = tokens.shape[0]
         _, tok = pad_index(None, tokens, mesh)
         self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
         self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
         self.emb = None  # [Npad, D]
+        if self.mode == "amortized":
+            self.every = int(config.refresh.every)
+            self.embed_slice = slice_embed_fn(model, mesh, self.every)
+            self.building = None  # [Npad, D]: the next index, a slice a step
+            self.building_from = -1  # the step of its oldest slice
         self.step = -1  # the checkpoint step the current embeddings came from
         self.last_swap_seconds = 0.0
         self._warned = -1
@@ -73,8 +98,10 @@ class IndexFeed:
 
     def start(self, params, step: int, health=None) -> None:
         """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
-        if self.mode == "inprocess":
+        if self.mode in ("inprocess", "amortized"):
             self.reembed(params, step)
+            if self.mode == "amortized":
+                self.building, self.building_from = self.emb, step
             return
         if self.lockstep:  # the version the uninterrupted run would be using at `step`
             self.health = health
@@ -109,12 +136,34 @@ class IndexFeed:
             self.last_swap_seconds,
         )
 
+    def embed_next_slice(self, params, step: int) -> bool:
+        """Amortized mode: re-embed slice step % refresh.every of every device's rows into the
+        building matrix (dispatched, not waited for: it runs ahead of the train step on the
+        device queue); when the last slice is in, serve the building matrix. True when the
+        served index changed."""
+        j = step % self.every
+        if j == 0:
+            self.building_from = step
+        self.building = self.embed_slice(params, self.tokens, self.building, jnp.int32(j))
+        if j != self.every - 1:
+            return False
+        self.emb, self.step = self.building, self.building_from
+        self.last_swap_seconds = 0.0  # nothing waited for
+        log.info(
+            "index: slices of steps %d-%d complete, now serving them (amortized refresh)",
+            self.building_from,
+            step,
+        )
+        return True
+
     def due(self, step: int) -> bool:
         """Whether to look for a new index before `step`: every refresh.every steps in
         inprocess mode (it re-embeds), every refresh.check_every steps in external mode, so a
         published version is taken up within check_every steps (looking only every
         refresh.every steps let staleness run to about twice that)."""
         r = self.config.refresh
+        if self.mode == "amortized":
+            return True  # a slice every step
         every = r.every if self.mode == "inprocess" or self.lockstep else max(1, r.check_every)
         return step % every == 0
 
@@ -177,6 +226,8 @@ class IndexFeed:
         if self.mode == "inprocess":
             self.reembed(params, step)
             return True
+        if self.mode == "amortized":
+            return self.embed_next_slice(params, step)
         if self.lockstep:
             if step != self.step:
                 self._wait_for(step)

@@ -33,7 +33,7 @@ from realm_jax.sweep.points import resolve_spec, sweep_points
 from realm_jax.workdir import data_dir
 
 # The command that trains a config's task (cli.TASK_COMMANDS): REALM's `local` runs the
-# refresh job beside the trainer (none with refresh.mode=inprocess).
+# refresh job beside the trainer (none with refresh.mode=inprocess or amortized).
 RUN_COMMAND = {"realm": "local", "ict": "train", "qa": "finetune"}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
