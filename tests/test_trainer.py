@@ -459,13 +459,14 @@ def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_di
     tokens = prepared.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
     model, _, state0, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
-    params = [
-        jax.tree.map(
-            lambda p, k=jax.random.key(s): p + 0.05 * jax.random.normal(k, p.shape, p.dtype),
-            state0.params,
+
+    def moved(seed):  # the parameters of another step
+        k = jax.random.key(seed)
+        return jax.tree.map(
+            lambda p: p + 0.05 * jax.random.normal(k, p.shape, p.dtype), state0.params
         )
-        for s in range(2 * every)
-    ]
+
+    params = [moved(s) for s in range(2 * every)]
     feed = IndexFeed(cfg, str(tmp_path), mesh, model, tokens)
     feed.start(params[0], 0)
     whole = [np.asarray(feed.embed(p, feed.tokens)) for p in params]  # a whole pass each
