@@ -60,6 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # supervised read on every question instead of the ~30% whose answer the dense top R
     # happens to hold (issue 22). Questions without a gold passage (NQ files) are unaffected.
     q.gold_in_beam = squad
+    # the frozen index `finetune` publishes once serves `ask` and `evaluate` on the host
+    c.refresh.build_scann = True  # with a ScaNN searcher (configs/realm.py: off for pre-training)
 
     m = c.model
     m.init_embedders_from_ict = ""

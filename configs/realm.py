@@ -188,7 +188,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # equal inprocess mode's, staleness stays below refresh.every. False: the paper's
     # asynchronous refresh, the newest published version taken every check_every steps.
     c.refresh.lockstep = False  # needs train.checkpoint_every to divide refresh.every
-    c.refresh.build_scann = True  # also serialise a ScaNN searcher with every index
+    # also serialise a ScaNN searcher with every index (host-side search for `ask`; the trainer
+    # never uses it, and at 13M blocks it costs the refresh job minutes a version)
+    c.refresh.build_scann = False  # build a ScaNN searcher with every published index
     c.refresh.scann_num_leaves = -1  # -1 = about sqrt(num_blocks)
     c.refresh.scann_leaves_to_search = -1  # -1 = about 5% of leaves (at least 10)
     c.refresh.scann_reorder = 100  # exact re-scoring of this many candidates

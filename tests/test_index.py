@@ -271,3 +271,43 @@ def test_publish_with_searcher(tmp_path):
     os.remove(os.path.join(path, "scann", "dataset.npy"))
     with pytest.raises(ix.CorruptIndexError, match="ScaNN file scann/dataset.npy missing"):
         ix.verify_version(path)
+
+
+def test_load_rows_reads_and_verifies_only_the_blocks_asked_for(tmp_path):
+    """Format 3: a host reads only the row blocks holding its rows (bytes counted), checks
+    each against its own sha256, gets zeros for padding rows past the end; a flipped byte is
+    found by the reader of that block alone, naming its rows."""
+    emb = _emb(61, 16, seed=3)
+    path = ix.publish_index(str(tmp_path), 7, emb, block_rows=8)
+    manifest = ix.verify_version(path)
+    assert manifest["format"] == 3 and manifest["row_blocks"]["rows"] == 8
+    assert len(manifest["row_blocks"]["sha256"]) == 8  # ceil(61 / 8)
+    parts, read = ix.load_rows(path, [(16, 24)])
+    np.testing.assert_array_equal(parts[(16, 24)], emb[16:24])
+    assert read == 8 * 16 * 4  # one block
+    parts, read = ix.load_rows(path, [(5, 20), (56, 64)])  # across blocks; past the end
+    np.testing.assert_array_equal(parts[(5, 20)], emb[5:20])
+    np.testing.assert_array_equal(parts[(56, 64)][:5], emb[56:61])
+    assert not parts[(56, 64)][5:].any()
+    assert read == (24 + 5) * 16 * 4  # blocks 0-2, and the last block's 5 rows
+    # flip one byte of row 42 (block 5): only a reader of block 5 notices
+    epath = os.path.join(path, ix.EMBEDDINGS)
+    with open(epath, "rb") as f:
+        _, _, _, offset = ix._read_npy_header(f, epath)
+    with open(epath, "r+b") as f:
+        f.seek(offset + 42 * 16 * 4 + 3)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    ix.load_rows(path, [(0, 40)])
+    with pytest.raises(ix.CorruptIndexError, match="rows 40-48"):
+        ix.load_rows(path, [(32, 48)])
+    # versions without row blocks (format 2) are read and verified whole, as before
+    old = ix.publish_index(str(tmp_path / "old"), 1, emb)
+    m = json.load(open(os.path.join(old, ix.MANIFEST)))
+    m["format"] = 2
+    del m["row_blocks"]
+    json.dump(m, open(os.path.join(old, ix.MANIFEST), "w"))
+    parts, read = ix.load_rows(old, [(0, 8)])
+    np.testing.assert_array_equal(parts[(0, 8)], emb[:8])
+    assert read == 61 * 16 * 4  # the whole matrix

@@ -81,6 +81,36 @@ jax.distributed.shutdown()
 """
 
 
+SWAP_WORKER = r"""
+import os, sys
+sys.path.insert(0, os.getcwd())
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, pid = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+from realm_jax import sharding
+from realm_jax.index import store
+from realm_jax.index.feed import IndexFeed
+from realm_jax.model.realm import realm_model
+from tests.realm_fixtures import synthetic_index, tiny_config
+config = tiny_config("refresh.mode=external", "refresh.wait_seconds=30")
+mesh = sharding.make_mesh(config.mesh)
+emb, tokens = synthetic_index(config)
+workdir = os.environ["SWAP_WORKDIR"]
+if pid == 0:
+    store.publish_index(os.path.join(workdir, "index"), 3, emb, block_rows=8)
+sharding.broadcast_text("published")
+feed = IndexFeed(config, workdir, mesh, realm_model(config.model), tokens)
+feed.start(None, 3)
+got = sharding.to_host(feed.emb)
+assert feed.step == 3 and np.array_equal(got[: len(emb)], emb) and not got[len(emb):].any()
+print(f"SWAP {pid} {feed.last_swap_bytes}", flush=True)
+jax.distributed.shutdown()
+"""
+
+
 def _start(argv: list[str], processes: int, log: str, stdin: str = "") -> list[subprocess.Popen]:
     """`argv` (a command line after `python`) on 4 fake CPU devices in all: one process, or
     `processes` jax.distributed processes on loopback (4 / processes devices each). Output
@@ -172,6 +202,25 @@ def test_to_host_gathers_a_row_sharded_array_on_two_processes(tmp_path):
     broadcast_text hands process 0's text to both."""
     out = _wait({"w": (_start(["-c", WORKER], 2, str(tmp_path / "w")), str(tmp_path / "w"))})
     assert all("WORKER OK" in o for o in out["w"]), out
+
+
+def test_a_swap_reads_only_the_rows_of_the_hosts_devices(tmp_path, monkeypatch):
+    """Two trainer processes x 2 devices take up a published index: each reads (and checks
+    by their sha256) only the row blocks its own devices hold, about half the matrix, and the
+    row-sharded index they build together equals the published one (61 blocks padded to 64:
+    16 rows a device, blocks of 8 rows; process 0 holds rows 0-31, process 1 rows 32-63 of
+    which 32-60 exist)."""
+    monkeypatch.setenv("SWAP_WORKDIR", str(tmp_path / "work"))
+    log = str(tmp_path / "swap")
+    out = _wait({"swap": (_start(["-c", SWAP_WORKER], 2, log), log)})["swap"]
+    read = {
+        int(line.split()[1]): int(line.split()[2])
+        for o in out
+        for line in o.splitlines()
+        if line.startswith("SWAP ")
+    }
+    row = 128 * 4  # bytes of one 128-dimensional float32 row
+    assert read == {0: 32 * row, 1: (61 - 32) * row}, out
 
 
 @pytest.fixture(scope="module")

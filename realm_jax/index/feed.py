@@ -68,28 +68,60 @@ class IndexFeed:
             self.building_from = -1  # the step of its oldest slice
         self.step = -1  # the checkpoint step the current embeddings came from
         self.last_swap_seconds = 0.0
+        self.last_swap_bytes = 0  # bytes of embeddings this process read for its last swap
+        self._bad: set[int] = set()  # versions rejected by a row checksum
         self._warned = -1
         self.health = None  # raises when `local`'s refresh job has died (lockstep waits)
 
-    def _load_published(self, step: int, path: str) -> None:
+    def _load_published(self, step: int, path: str) -> bool:
+        """Swap in version `step`: each process reads and verifies only the rows its own
+        devices hold (store.load_rows: per-block sha256), then every process agrees; a block
+        that fails its checksum on any process rejects the version on all (False: the index
+        is unchanged and the version is never tried again)."""
         t0 = time.time()
-        host = store.load_embeddings(path)
-        new = sharding.put_rows(sharding.pad_rows(host.astype(np.float32), self.mesh), self.mesh)
+        shape = (int(self.tokens.shape[0]), int(self.config.model.proj_size))
+        rows = sharding.rows_sharding(self.mesh)
+        index_map = rows.addressable_devices_indices_map(shape)
+        ranges = sorted(
+            {(idx[0].start or 0, idx[0].stop or shape[0]) for idx in index_map.values()}
+        )
+        error = ""
+        try:
+            parts, self.last_swap_bytes = store.load_rows(path, ranges)
+        except (store.CorruptIndexError, OSError) as e:
+            parts, error = {}, str(e)
+        if not _all_processes(not error):
+            self._bad.add(step)
+            log.warning("index: version %d rejected (%s)", step, error or "on another process")
+            return False
+        new = jax.make_array_from_callback(
+            shape, rows, lambda idx: parts[(idx[0].start or 0, idx[0].stop or shape[0])]
+        )
         new.block_until_ready()
         self.emb, self.step = new, step
         self.last_swap_seconds = time.time() - t0
         if jax.process_index() == 0:
             retention.mark_in_use(self.dir, step, self.owner)
         log.info(
-            "index: now using version %d (%s), swap took %.2fs", step, path, self.last_swap_seconds
+            "index: now using version %d (%s), read %.1f MB of its %.1f MB on this host, swap "
+            "took %.2fs",
+            step,
+            path,
+            self.last_swap_bytes / 1e6,
+            self.num_blocks * shape[1] * 4 / 1e6,
+            self.last_swap_seconds,
         )
+        return True
 
     def _newest(self, newer_than: int):
+        # structure only: each process verifies the rows it reads (_load_published)
         return store.latest_valid(
             self.dir,
             newer_than=newer_than,
             expected_num_blocks=self.num_blocks,
             expected_dim=self.config.model.proj_size,
+            checksum=False,
+            exclude=frozenset(self._bad),
         )
 
     @property
@@ -107,9 +139,9 @@ class IndexFeed:
             self.health = health
             self._wait_for(step - step % self.config.refresh.every)
             return
-        found = self._newest(-1)
+        found = self._agreed_newest(-1)
         deadline = time.time() + self.config.refresh.wait_seconds
-        while found is None or found[0] < min(step, 0):
+        while found is None or not self._load_published(*found):
             if time.time() > deadline:
                 raise TimeoutError(
                     f"no valid index in {self.dir} after {self.config.refresh.wait_seconds:.0f}s: "
@@ -118,10 +150,10 @@ class IndexFeed:
                 )
             if health is not None:
                 health()  # raises when the refresh job has died
-            log.info("waiting for the refresh job to publish an index in %s ...", self.dir)
-            time.sleep(self.config.refresh.poll_seconds)
-            found = self._newest(-1)
-        self._load_published(*found)
+            if found is None:
+                log.info("waiting for the refresh job to publish an index in %s ...", self.dir)
+                time.sleep(self.config.refresh.poll_seconds)
+            found = self._agreed_newest(-1)
 
     def reembed(self, params, step: int) -> None:
         """In-process refresh: embed every block with the trainer's current parameters."""
@@ -172,11 +204,12 @@ class IndexFeed:
         if self.mode == "external" and self.step >= 0 and jax.process_index() == 0:
             retention.release(self.dir, self.owner)
 
-    def _agreed_newest(self):
-        """The newest valid version newer than ours, the same on every process: process 0
-        looks, the others follow (a version published between two processes' looks must not
-        split them)."""
-        found = self._newest(self.step) if jax.process_index() == 0 else None
+    def _agreed_newest(self, newer_than: int | None = None):
+        """The newest valid version newer than ours (or than `newer_than`), the same on every
+        process: process 0 looks, the others follow (a version published between two
+        processes' looks must not split them)."""
+        after = self.step if newer_than is None else newer_than
+        found = self._newest(after) if jax.process_index() == 0 else None
         chosen = _process_0s(-1 if found is None else found[0])
         if chosen < 0:
             return None
@@ -218,7 +251,11 @@ class IndexFeed:
                 log.info("lockstep: waiting for index version %d (%.0fs so far) ...", step, waited)
                 next_log += 30.0
             time.sleep(min(r.poll_seconds, 0.5))
-        self._load_published(step, fs.join(self.dir, store.version_name(step)))
+        path = fs.join(self.dir, store.version_name(step))
+        if not self._load_published(step, path):
+            raise store.CorruptIndexError(
+                f"refresh.lockstep: index version {step} ({path}) fails its checksum"
+            )
 
     def maybe_refresh(self, params, step: int) -> bool:
         """Swap in a newer index if one is published (re-embed in inprocess mode); True when
@@ -233,8 +270,7 @@ class IndexFeed:
                 self._wait_for(step)
             return True
         found = self._agreed_newest()
-        if found is not None:
-            self._load_published(*found)
+        if found is not None and self._load_published(*found):
             return True
         stale = step - self.step
         if stale > self.config.refresh.max_staleness and self._warned != self.step:
@@ -246,6 +282,13 @@ class IndexFeed:
             )
             self._warned = self.step
         return False
+
+
+def _all_processes(ok: bool) -> bool:
+    """True when `ok` holds on every process (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(multihost_utils.process_allgather(np.int32(ok)).min())
 
 
 def _process_0s(value: int) -> int:

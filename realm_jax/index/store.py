@@ -11,6 +11,9 @@ trusts only a version whose manifest exists and verifies.
   and retention removes after a grace period (index/retention.py).
 Versions written before the manifest listed every file (format 1: the embeddings' sha256 and
 the ScaNN files' sizes) still load, verified as they were then.
+Format 3 adds the sha256 of every block of `row_blocks.rows` consecutive rows of the
+embeddings, so a trainer host reads and verifies only the rows its devices hold (load_rows):
+at 13M x 128 float32 a swap is ~7 GB for one host over the whole matrix, 1/hosts of it this way.
 Trainers pick the newest version that verifies and hold a lease (``in_use/<owner>.json``) so
 retention never deletes what they still use; leases and retention live in
 index/retention.py, which imports this module (never the reverse).
@@ -36,8 +39,11 @@ from realm_jax import fs
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: manifest["files"] lists every file with size and sha256
-READ_FORMATS = (1, 2)
+FORMAT = 3  # 2: manifest["files"] lists every file with size and sha256; 3: + row_blocks
+READ_FORMATS = (1, 2, 3)
+# Rows per checksummed block of the embeddings (format 3): about 1,024 blocks a version, at
+# least MIN_ROW_BLOCK rows each (13.35M x 128 float32: 13,041 rows = 6.7 MB a block).
+MIN_ROW_BLOCK = 256
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
 SCANN_DIR = "scann"
@@ -266,8 +272,12 @@ def latest_valid(
     newer_than: int = -1,
     expected_num_blocks: int | None = None,
     expected_dim: int | None = None,
+    checksum: bool = True,
+    exclude: frozenset[int] = frozenset(),
 ) -> tuple[int, str] | None:
     """(step, path) of the newest version with step > newer_than that verifies, else None.
+    checksum=False: structure only (manifest, shape, file sizes), for a reader that checks
+    the rows it loads (load_rows); `exclude`: steps the caller found corrupt already.
 
     Corrupt versions are skipped with one warning per (path, reason), not one per poll; an
     uncommitted one on an object store (no manifest: maybe being written) with an info line.
@@ -276,8 +286,18 @@ def latest_valid(
         if step <= newer_than:
             break
         path = fs.join(index_dir, version_name(step))
+        if step in exclude:
+            continue
         try:
-            _verify_cached(path, expected_num_blocks, expected_dim)
+            if checksum:
+                _verify_cached(path, expected_num_blocks, expected_dim)
+            else:
+                verify_version(
+                    path,
+                    expected_num_blocks=expected_num_blocks,
+                    expected_dim=expected_dim,
+                    checksum=False,
+                )
         except (CorruptIndexError, OSError) as e:
             key = (path, str(e))
             if key not in _warned:
@@ -316,6 +336,66 @@ def load_embeddings(path: str, *, verify: bool = True) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.float32, count=n * d, offset=offset).reshape(n, d)
 
 
+def load_rows(
+    path: str, ranges: list[tuple[int, int]], *, verify: bool = True
+) -> tuple[dict[tuple[int, int], np.ndarray], int]:
+    """Read only rows [a, b) of a version's embeddings for each range (rows past num_blocks,
+    the devices' padding, come back as zeros): ({range: [b - a, D] float32}, bytes read).
+
+    Format 3: each range is widened to whole row blocks, and every block read is checked
+    against its sha256 (CorruptIndexError names the rows of a block that fails), so a host
+    verifies what it reads and nothing else. Older formats have no per-block sums: the whole
+    matrix is read and verified (load_embeddings), as before."""
+    manifest = _load_manifest(path)
+    _check_shape(path, manifest, None, None)
+    n, d = manifest["num_blocks"], manifest["dim"]
+    blocks = manifest.get("row_blocks")
+    out: dict[tuple[int, int], np.ndarray] = {}
+    if manifest["format"] < 3 or not blocks:
+        whole = load_embeddings(path, verify=verify)
+        for a, b in ranges:
+            out[(a, b)] = _rows_of(whole, a, b, d)
+        return out, whole.nbytes
+    rows, sums = int(blocks["rows"]), blocks["sha256"]
+    if rows < 1 or len(sums) != -(-n // rows):
+        raise CorruptIndexError(f"{path}: {MANIFEST} row_blocks do not cover {n} rows")
+    epath = fs.join(path, EMBEDDINGS)
+    read = 0
+    with fs.open(epath, "rb") as f:
+        _, _, _, offset = _read_npy_header(f, epath)
+        for a, b in ranges:
+            first, last = a // rows, -(-min(b, n) // rows)  # the blocks holding [a, min(b, n))
+            if first >= last:
+                out[(a, b)] = np.zeros((b - a, d), np.float32)
+                continue
+            lo, hi = first * rows, min(last * rows, n)
+            f.seek(offset + lo * d * 4)
+            buf = f.read((hi - lo) * d * 4)
+            read += len(buf)
+            if len(buf) != (hi - lo) * d * 4:
+                raise CorruptIndexError(f"{epath}: truncated in rows {lo}-{hi}")
+            for k in range(first, last):
+                if not verify:
+                    break
+                piece = buf[(k * rows - lo) * d * 4 : (min((k + 1) * rows, n) - lo) * d * 4]
+                if hashlib.sha256(piece).hexdigest() != sums[k]:
+                    raise CorruptIndexError(
+                        f"{path}: checksum mismatch in {EMBEDDINGS} rows "
+                        f"{k * rows}-{min((k + 1) * rows, n)}"
+                    )
+            got = np.frombuffer(buf, np.float32).reshape(hi - lo, d)
+            out[(a, b)] = _rows_of(got, a - lo, b - lo, d)
+    return out, read
+
+
+def _rows_of(arr: np.ndarray, a: int, b: int, d: int) -> np.ndarray:
+    """arr[a:b], zero rows where b runs past the end."""
+    part = arr[a : min(b, arr.shape[0])]
+    if part.shape[0] == b - a:
+        return part
+    return np.concatenate([part, np.zeros((b - a - part.shape[0], d), np.float32)])
+
+
 def staleness(train_step: int, index_step: int) -> int:
     """Trainer step minus the step of the checkpoint the index was embedded from.
 
@@ -345,9 +425,24 @@ def _write_scann(folder: str, searcher: Any) -> dict[str, dict]:
     return files
 
 
-def _write_version(folder: str, step: int, arr: np.ndarray, searcher: Any, extra: dict) -> None:
+def row_block_rows(num_rows: int) -> int:
+    """Rows per checksummed block for a matrix of `num_rows` rows (format 3)."""
+    return max(MIN_ROW_BLOCK, -(-num_rows // 1024))
+
+
+def _row_block_hashes(arr: np.ndarray, rows: int) -> list[str]:
+    return [
+        hashlib.sha256(memoryview(arr[i : i + rows]).cast("B")).hexdigest()
+        for i in range(0, arr.shape[0], rows)
+    ]
+
+
+def _write_version(
+    folder: str, step: int, arr: np.ndarray, searcher: Any, extra: dict, block_rows: int
+) -> None:
     """Fill a version folder: embeddings, optional ScaNN searcher, then the manifest LAST (the
-    commit marker), listing every file with its size and sha256."""
+    commit marker), listing every file with its size and sha256 (and each block of
+    `block_rows` rows' sha256)."""
     with fs.open(fs.join(folder, EMBEDDINGS), "wb") as f:
         writer = _HashingWriter(f)
         np.lib.format.write_array(writer, arr, allow_pickle=False)
@@ -366,6 +461,7 @@ def _write_version(folder: str, step: int, arr: np.ndarray, searcher: Any, extra
     }
     manifest.update({"scann_files": scann_files} if scann_files else {})  # as format 1 read it
     manifest["files"] = files
+    manifest["row_blocks"] = {"rows": block_rows, "sha256": _row_block_hashes(arr, block_rows)}
     if fs.is_remote(folder):
         _write_json_atomic(fs.join(folder, MANIFEST), manifest)  # one object: the commit
         return
@@ -411,6 +507,7 @@ def publish_index(
     *,
     searcher: Any = None,
     extra: dict | None = None,
+    block_rows: int | None = None,
 ) -> str:
     """Publish the embeddings (and optional ScaNN searcher) as version `step`: atomically on
     a local filesystem (temp dir + rename), committed by its manifest on an object store.
@@ -418,19 +515,21 @@ def publish_index(
     Idempotent: if a valid version `step` already exists it is kept and its path returned.
     `extra` adds manifest fields (e.g. source_checkpoint, embed_seconds). Retention (keeping
     the last few versions) is index/retention.py's `cleanup`, which builds on this module.
-    Returns the final version path.
+    `block_rows`: rows per checksummed block (default row_block_rows(N)). Returns the final
+    version path.
     """
     extra = dict(extra or {})
     if clash := set(extra) & set(_CORE_KEYS + ("files",)):
         raise ValueError(f"extra may not override manifest keys {sorted(clash)}")
     arr = _check_embeddings(embeddings)
+    block_rows = int(block_rows or row_block_rows(arr.shape[0]))
     final = fs.join(index_dir, version_name(step))
     if fs.is_remote(index_dir):
         if not _is_valid(final):
             # Uncommit first: a reader must never pair an old manifest with new files.
             fs.remove(fs.join(final, MANIFEST))
             fs.write_bytes(fs.join(final, WRITER), _writer_info())
-            _write_version(final, step, arr, searcher, extra)
+            _write_version(final, step, arr, searcher, extra, block_rows)
         return final
     os.makedirs(index_dir, exist_ok=True)
     if not (os.path.isdir(final) and _is_valid(final)):
@@ -439,7 +538,7 @@ def publish_index(
         try:
             with open(os.path.join(tmp, WRITER), "wb") as f:
                 f.write(_writer_info())
-            _write_version(tmp, step, arr, searcher, extra)
+            _write_version(tmp, step, arr, searcher, extra, block_rows)
             _install(tmp, final)
         finally:
             if os.path.isdir(tmp):
