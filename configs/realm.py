@@ -182,7 +182,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.refresh.max_staleness = 4 * (20 if variant == "smoke" else 500)  # warn above this many steps
     c.refresh.embed_batch_size = 64 if variant == "smoke" else 512  # blocks per embedding call
     c.refresh.poll_seconds = 2.0  # how often the refresher looks for a new checkpoint
-    c.refresh.wait_seconds = 600.0  # trainer wait for the first index before giving up
+    # the trainer's wait for its first index: it gives up after this long without one AND
+    # without progress from the refresh job (which reports after every part of the corpus)
+    c.refresh.wait_seconds = 600.0  # seconds without an index or progress before giving up
+    c.refresh.progress_every_blocks = 1_000_000  # refresh job: blocks a part (progress after each)
     # external: at every refresh.every steps the trainer waits for the index of that very
     # checkpoint (the refresh job embeds on other devices while the trainer stalls): the steps
     # equal inprocess mode's, staleness stays below refresh.every. False: the paper's

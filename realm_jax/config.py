@@ -268,6 +268,7 @@ RANGES = {
     "refresh.embed_batch_size": _at_least(1),
     "refresh.poll_seconds": ((lambda v: v > 0), "positive"),
     "refresh.wait_seconds": _at_least(0),
+    "refresh.progress_every_blocks": _at_least(1),
     "ict.mask_rate": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
 }
 for _part in ("embedder", "reader"):

@@ -99,7 +99,7 @@ def test_index_publish_and_read_on_gcs(root):
     assert store.latest_valid(d, expected_num_blocks=50, expected_dim=8) == (20, path20)
     np.testing.assert_array_equal(store.load_embeddings(path20), e20)
     manifest = json.loads(fs.read_bytes(f"{path10}/manifest.json"))
-    assert manifest["format"] == 2 and manifest["source_checkpoint"] == "c/10"
+    assert manifest["format"] == 3 and manifest["source_checkpoint"] == "c/10"
     for rel, entry in manifest["files"].items():  # sizes as the bucket has them
         assert fs.size(f"{path10}/{rel}") == entry["size"]
     # A damaged newer version (same size, other bytes) is skipped for the one before.

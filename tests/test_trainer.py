@@ -513,3 +513,74 @@ def test_amortized_refresh_trains_without_a_refresh_job(data_dir, tmp_path):
     assert len(steps) == 8 and all(np.isfinite(h["loss"]) for h in steps)
     assert max(h["staleness"] for h in steps) <= 2 * 3 - 1
     assert not os.path.exists(index_dir(str(tmp_path)))  # nothing published
+
+
+def test_refresh_job_embeds_a_large_corpus_in_parts_and_reports_progress(data_dir, tmp_path):
+    """refresh.progress_every_blocks: the refresh job embeds the corpus in parts (each device's
+    own rows), writing its progress after each; the index equals a whole-pass embedding."""
+    cfg = config(
+        f"data.data_dir={data_dir}",
+        "refresh.mode=external",
+        "refresh.progress_every_blocks=50",
+    )
+    workdir = str(tmp_path)
+    tokens = prepared.load_blocks(data_dir)[0]
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    mgr = checkpoint.manager(workdir, with_data=False)
+    checkpoint.save(mgr, 0, state)
+    mgr.wait_until_finished()
+    refresher = Refresher(cfg, workdir, tokens)
+    assert refresher.parts == -(-len(tokens) // 50) > 1
+    assert refresher.run(max_versions=1) == 1
+    progress = store.read_progress(index_dir(workdir))
+    assert progress["checkpoint"] == 0 and progress["phase"] == "publish"
+    assert progress["done"] == progress["of"] == refresher.parts
+    whole = np.asarray(
+        refresher.embed({refresher.name: state.params[refresher.name]}, refresher.tokens)
+    )
+    published = store.load_embeddings(store.latest_valid(index_dir(workdir))[1])
+    np.testing.assert_allclose(published, whole[: len(tokens)], atol=1e-5)
+
+
+def test_first_index_wait_follows_the_refresh_jobs_progress(data_dir, tmp_path, caplog):
+    """The trainer waits for its first index as long as the refresh job reports progress (a
+    pass over 13M blocks outlasts any fixed wait), and gives up after refresh.wait_seconds
+    with neither an index nor progress."""
+    import threading
+
+    cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.wait_seconds=1.5")
+    cfg.refresh.poll_seconds = 0.1
+    tokens = prepared.load_blocks(data_dir)[0]
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, _, _, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    alone = str(tmp_path / "alone")
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match="no progress from a refresh job"):
+        IndexFeed(cfg, alone, mesh, model, tokens).start(None, 0)
+    assert 1.5 <= time.time() - t0 < 10
+
+    work = str(tmp_path / "busy")
+    idir = index_dir(work)
+    os.makedirs(idir)
+    stop = threading.Event()
+
+    def refresh_job():  # reports for 4 s (past wait_seconds), then publishes
+        since = time.time()
+        for j in range(8):
+            store.write_progress(idir, checkpoint=0, phase="embed", done=j, of=8, since=since)
+            if stop.wait(0.5):
+                return
+        store.publish_index(idir, 0, np.ones((len(tokens), cfg.model.proj_size), np.float32))
+
+    job = threading.Thread(target=refresh_job)
+    job.start()
+    caplog.set_level("INFO", logger="realm_jax.refresh")
+    try:
+        feed = IndexFeed(cfg, work, mesh, model, tokens)
+        feed.start(None, 0)
+    finally:
+        stop.set()
+        job.join()
+    assert feed.step == 0 and time.time() - t0 > 4
+    assert "the refresh job is at checkpoint 0, embed part" in caplog.text

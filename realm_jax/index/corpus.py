@@ -79,12 +79,13 @@ def slice_rows(per_device: int, every: int, j: int) -> tuple[int, int]:
     return min(j * size, per_device - size), size
 
 
-def slice_embed_fn(model, mesh: Mesh, every: int):
+def slice_embed_fn(model, mesh: Mesh, every: int, batch_size: int = 0):
     """A jitted function re-embedding one slice of the index on every device (the amortised
     refresh, refresh.mode=amortized): (params, tokens [N, Lb], emb [N, D], j) -> emb with
     rows slice_rows(N / devices, every, j) of each device's own rows re-embedded with
     `params`. Each device embeds only rows it holds, so there is no cross-device traffic; after
-    `every` calls (j = 0 .. every-1) every row is new."""
+    `every` calls (j = 0 .. every-1) every row is new. A slice is embedded batch_size rows
+    per device at a time (0: all at once), as embed_blocks_fn does."""
     rows = sharding.rows_sharding(mesh)
 
     def embed(params, tokens, emb, j):
@@ -94,11 +95,19 @@ def slice_embed_fn(model, mesh: Mesh, every: int):
         size = slice_rows(per_dev, every, 0)[1]
         start = jnp.minimum(j * size, per_dev - size)
         piece = jax.lax.dynamic_slice_in_dim(tokens.reshape(n_dev, per_dev, -1), start, size, 1)
-        flat = jax.lax.with_sharding_constraint(piece.reshape(n_dev * size, -1), rows)
-        new = embed_block_tokens(model, params, flat).astype(emb.dtype)
-        out = jax.lax.dynamic_update_slice_in_dim(
-            emb.reshape(n_dev, per_dev, -1), new.reshape(n_dev, size, -1), start, 1
-        )
+        chunk = min(batch_size or size, size)
+        while size % chunk:
+            chunk -= 1
+        t = piece.reshape(n_dev, size // chunk, chunk, -1).transpose(1, 0, 2, 3)
+
+        def one(_, tc):  # tc [n_dev, chunk, Lb]
+            flat = jax.lax.with_sharding_constraint(tc.reshape(n_dev * chunk, -1), rows)
+            e = embed_block_tokens(model, params, flat).astype(emb.dtype)
+            return None, e.reshape(n_dev, chunk, -1)
+
+        _, new = jax.lax.scan(one, None, t)  # [size // chunk, n_dev, chunk, D]
+        new = new.transpose(1, 0, 2, 3).reshape(n_dev, size, -1)
+        out = jax.lax.dynamic_update_slice_in_dim(emb.reshape(n_dev, per_dev, -1), new, start, 1)
         return out.reshape(n, -1)
 
     return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)

@@ -63,7 +63,9 @@ class IndexFeed:
         self.emb = None  # [Npad, D]
         if self.mode == "amortized":
             self.every = int(config.refresh.every)
-            self.embed_slice = slice_embed_fn(model, mesh, self.every)
+            self.embed_slice = slice_embed_fn(
+                model, mesh, self.every, config.refresh.embed_batch_size
+            )
             self.building = None  # [Npad, D]: the next index, a slice a step
             self.building_from = -1  # the step of its oldest slice
         self.step = -1  # the checkpoint step the current embeddings came from
@@ -140,18 +142,31 @@ class IndexFeed:
             self._wait_for(step - step % self.config.refresh.every)
             return
         found = self._agreed_newest(-1)
-        deadline = time.time() + self.config.refresh.wait_seconds
+        wait = self.config.refresh.wait_seconds
+        t0 = last_sign = next_log = time.time()
+        heard = None  # the progress last logged
         while found is None or not self._load_published(*found):
-            if time.time() > deadline:
+            # give up after wait_seconds with neither an index nor progress from the refresh
+            # job, which reports after every part of the corpus (a first pass over 13M blocks
+            # takes far longer than any fixed wait): process 0 decides for every process
+            now = time.time()
+            progress = store.read_progress(self.dir) if jax.process_index() == 0 else None
+            if progress is not None and progress["updated"] > t0 - wait:
+                last_sign = max(last_sign, min(progress["updated"], now))
+            if _process_0s(int(now - last_sign > wait)):
                 raise TimeoutError(
-                    f"no valid index in {self.dir} after {self.config.refresh.wait_seconds:.0f}s: "
-                    "start the refresh job (`realm-jax refresh`), use `realm-jax local`, or set "
-                    "--config.refresh.mode=inprocess"
+                    f"no valid index in {self.dir} and no progress from a refresh job for "
+                    f"{wait:.0f}s: start the refresh job (`realm-jax refresh`), use `realm-jax "
+                    "local`, or set --config.refresh.mode=inprocess or amortized"
                 )
             if health is not None:
                 health()  # raises when the refresh job has died
             if found is None:
-                log.info("waiting for the refresh job to publish an index in %s ...", self.dir)
+                where = progress and (progress.get("checkpoint"), progress.get("phase"))
+                where = where and (*where, progress.get("done"))
+                if now >= next_log or where != heard:  # every 30 s, and at each part
+                    log.info("waiting for the first index in %s: %s", self.dir, _said(progress))
+                    next_log, heard = now + 30.0, where
                 time.sleep(self.config.refresh.poll_seconds)
             found = self._agreed_newest(-1)
 
@@ -282,6 +297,21 @@ class IndexFeed:
             )
             self._warned = self.step
         return False
+
+
+def _said(progress: dict | None) -> str:
+    """The refresh job's progress record in words (the trainer's waiting line)."""
+    if progress is None:
+        return "no refresh job has reported yet"
+    p, now = progress, time.time()
+    words = f"the refresh job is at checkpoint {p.get('checkpoint')}, {p.get('phase')}"
+    done, of = p.get("done", 0), p.get("of", 1)
+    if p.get("phase") == "embed" and of > 1:
+        words += f" part {done + 1} of {of}"
+        if done:
+            eta = (now - p.get("since", now)) / done * (of - done)
+            words += f" (about {eta / 60:.0f} min to go)"
+    return words + f", last heard {now - p['updated']:.0f}s ago"
 
 
 def _all_processes(ok: bool) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
-from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index
+from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index, slice_embed_fn
 from realm_jax.lock import LEASE_SECONDS, workdir_lock
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import doc_embedder_name
@@ -56,13 +56,34 @@ class Refresher:
         _, tok = pad_index(None, tokens, self.mesh)
         self.tokens = sharding.put_rows(tok, self.mesh)
         self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
+        # a large corpus is embedded in parts, its progress written after each one (a trainer
+        # waiting for its first index keeps waiting while it advances: index/feed.py)
+        per_part = max(1, int(config.refresh.get("progress_every_blocks", 0) or self.num_blocks))
+        self.parts = max(1, -(-self.num_blocks // per_part))
+        if self.parts > 1:
+            self.embed_part = slice_embed_fn(
+                self.model, self.mesh, self.parts, config.refresh.embed_batch_size
+            )
         self.dir = paths.index_dir(workdir)
         fs.makedirs(self.dir)
         self._damaged: dict[int, tuple[int, int]] = {}  # step -> its folder when it failed
 
+    def _progress(self, step: int, phase: str, since: float, done: int = 0) -> None:
+        if jax.process_index() == 0:
+            store.write_progress(
+                self.dir,
+                checkpoint=step,
+                phase=phase,
+                done=done,
+                of=self.parts,
+                blocks=self.num_blocks,
+                since=since,
+            )
+
     def refresh_once(self, mgr, step: int) -> str:
         """Embed the corpus with checkpoint `step`'s document embedder and publish it."""
         t0 = time.time()
+        self._progress(step, "restore", t0)
         params = checkpoint.restore_params_subtree(mgr, step, self.name, self.abstract)
         return self._publish(step, params, t0)
 
@@ -77,6 +98,7 @@ class Refresher:
             if folder is None or self._damaged.get(step) == folder:
                 continue  # gone since the listing, or known damaged
             t0 = time.time()
+            self._progress(step, "restore", t0)
             params, reason = checkpoint.try_restore(
                 checkpoint.restore_params_subtree, mgr, step, self.name, self.abstract
             )
@@ -90,7 +112,7 @@ class Refresher:
 
     def _publish(self, step: int, params, t0: float) -> str:
         t_restore = time.time() - t0
-        emb = self.embed({self.name: params}, self.tokens)
+        emb = self._embed({self.name: params}, step, t0)
         host = _host_embeddings(emb, self.num_blocks)
         t_embed = time.time() - t0 - t_restore
         if not np.isfinite(host).all():
@@ -106,6 +128,7 @@ class Refresher:
             return ""
         if jax.process_index() != 0:
             return ""
+        self._progress(step, "publish", t0, self.parts)
         searcher = build_searcher(self.config, host) if self.config.refresh.build_scann else None
         path = store.publish_index(
             self.dir,
@@ -130,6 +153,24 @@ class Refresher:
             time.time() - t0,
         )
         return path
+
+    def _embed(self, params, step: int, t0: float):
+        """Every block's embedding [Npad, D] (row-sharded): one pass, or self.parts parts of
+        every device's rows with the progress written after each."""
+        if self.parts == 1:
+            self._progress(step, "embed", t0)
+            return self.embed(params, self.tokens)
+        n, d = self.tokens.shape[0], self.config.model.proj_size
+        zeros = jax.jit(
+            lambda: jax.numpy.zeros((n, d), jax.numpy.float32),
+            out_shardings=sharding.rows_sharding(self.mesh),
+        )
+        emb = zeros()
+        for j in range(self.parts):
+            self._progress(step, "embed", t0, j)
+            emb = self.embed_part(params, self.tokens, emb, jax.numpy.int32(j))
+            emb.block_until_ready()
+        return emb
 
     def run(self, stop: threading.Event | None = None, max_versions: int | None = None) -> int:
         """Watch checkpoints until `stop` is set (or max_versions published); returns count."""

@@ -360,14 +360,19 @@ def load_rows(
     if rows < 1 or len(sums) != -(-n // rows):
         raise CorruptIndexError(f"{path}: {MANIFEST} row_blocks do not cover {n} rows")
     epath = fs.join(path, EMBEDDINGS)
+    # the row blocks holding some asked-for row, each read (and checked) once, in runs
+    wanted = sorted({k for a, b in ranges for k in range(a // rows, -(-min(b, n) // rows))})
+    runs: list[list[int]] = []
+    for k in wanted:
+        if runs and runs[-1][1] == k:
+            runs[-1][1] = k + 1
+        else:
+            runs.append([k, k + 1])
+    got: dict[int, np.ndarray] = {}  # block -> its rows
     read = 0
     with fs.open(epath, "rb") as f:
         _, _, _, offset = _read_npy_header(f, epath)
-        for a, b in ranges:
-            first, last = a // rows, -(-min(b, n) // rows)  # the blocks holding [a, min(b, n))
-            if first >= last:
-                out[(a, b)] = np.zeros((b - a, d), np.float32)
-                continue
+        for first, last in runs:
             lo, hi = first * rows, min(last * rows, n)
             f.seek(offset + lo * d * 4)
             buf = f.read((hi - lo) * d * 4)
@@ -375,16 +380,20 @@ def load_rows(
             if len(buf) != (hi - lo) * d * 4:
                 raise CorruptIndexError(f"{epath}: truncated in rows {lo}-{hi}")
             for k in range(first, last):
-                if not verify:
-                    break
-                piece = buf[(k * rows - lo) * d * 4 : (min((k + 1) * rows, n) - lo) * d * 4]
-                if hashlib.sha256(piece).hexdigest() != sums[k]:
+                a, b = k * rows, min((k + 1) * rows, n)
+                piece = buf[(a - lo) * d * 4 : (b - lo) * d * 4]
+                if verify and hashlib.sha256(piece).hexdigest() != sums[k]:
                     raise CorruptIndexError(
-                        f"{path}: checksum mismatch in {EMBEDDINGS} rows "
-                        f"{k * rows}-{min((k + 1) * rows, n)}"
+                        f"{path}: checksum mismatch in {EMBEDDINGS} rows {a}-{b}"
                     )
-            got = np.frombuffer(buf, np.float32).reshape(hi - lo, d)
-            out[(a, b)] = _rows_of(got, a - lo, b - lo, d)
+                got[k] = np.frombuffer(piece, np.float32).reshape(b - a, d)
+    for a, b in ranges:
+        ks = range(a // rows, -(-min(b, n) // rows))
+        if not ks:
+            out[(a, b)] = np.zeros((b - a, d), np.float32)
+            continue
+        span = np.concatenate([got[k] for k in ks]) if len(ks) > 1 else got[ks[0]]
+        out[(a, b)] = _rows_of(span, a - ks[0] * rows, b - ks[0] * rows, d)
     return out, read
 
 
@@ -394,6 +403,25 @@ def _rows_of(arr: np.ndarray, a: int, b: int, d: int) -> np.ndarray:
     if part.shape[0] == b - a:
         return part
     return np.concatenate([part, np.zeros((b - a - part.shape[0], d), np.float32)])
+
+
+PROGRESS = "progress.json"  # the refresh job's current work (read_progress), beside versions
+
+
+def write_progress(index_dir: str, **fields: Any) -> None:
+    """The refresh job's progress (checkpoint, phase, done / of, since), with `updated` = now:
+    what a trainer waiting for its first index reads, and its sign that the job is alive."""
+    _write_json_atomic(fs.join(index_dir, PROGRESS), {**fields, "updated": time.time()})
+
+
+def read_progress(index_dir: str) -> dict | None:
+    """The refresh job's last progress record, None when there is none (or it is unreadable:
+    a record being replaced)."""
+    try:
+        record = json.loads(fs.read_bytes(fs.join(index_dir, PROGRESS)))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "updated" in record else None
 
 
 def staleness(train_step: int, index_step: int) -> int:
