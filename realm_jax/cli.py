@@ -23,6 +23,8 @@ COMMANDS = {
     "ask": "answer a question (QA workdir) or show its top blocks (pre-training workdir)",
     "sweep": "run a config file's sweep() point by point (or on a TPU VM) and table it",
     "plan": "compile the config's programs for a TPU slice ahead of time: does it fit?",
+    "import": "a HuggingFace BERT/REALM folder -> a workdir (checkpoint 0, block_emb index)",
+    "export": "a workdir's checkpoint -> HuggingFace REALM folders (safetensors)",
 }
 
 # command -> "module:function" (imported only when run). `train` and `local` depend on the
@@ -34,6 +36,8 @@ ENTRY = {
     "finetune": "realm_jax.qa.commands:finetune",
     "evaluate": "realm_jax.qa.commands:evaluate",
     "plan": "realm_jax.plan:command",
+    "import": "realm_jax.model.hf_commands:import_command",
+    "export": "realm_jax.model.hf_commands:export_command",
 }
 TASK_COMMANDS = {
     "realm": {
@@ -153,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--json", default="", help="also write the figures to this file")
         if name == "sweep":
             _sweep_arguments(s)
+        if name in ("import", "export"):
+            _hf_arguments(s, name)
         if name == "refresh":
             s.add_argument(
                 "--max_versions",
@@ -228,6 +234,24 @@ def _parser() -> argparse.ArgumentParser:
                 "pre-trained retriever's zero-shot recall@k",
             )
     return p
+
+
+def _hf_arguments(s: argparse.ArgumentParser, name: str) -> None:
+    if name == "import":
+        s.add_argument(
+            "--source",
+            required=True,
+            help="HuggingFace folder (config.json + model.safetensors or pytorch_model.bin; "
+            "local or gs://): BertModel, BertForMaskedLM, RealmEmbedder, RealmScorer, "
+            "RealmKnowledgeAugEncoder, RealmReader or RealmForOpenQA; checked against --config",
+        )
+    else:
+        s.add_argument("--out", required=True, help="a new local folder for the HF folders")
+        s.add_argument(
+            "--checkpoint",
+            default="latest",
+            help="latest, best (fine-tuning's best dev checkpoint) or a step number",
+        )
 
 
 def _sweep_arguments(s: argparse.ArgumentParser) -> None:

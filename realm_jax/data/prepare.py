@@ -45,8 +45,8 @@ from tqdm import tqdm
 
 from realm_jax import fs, workdir
 from realm_jax import tokenization as tk
+from realm_jax.data import block_records, masking
 from realm_jax.data import corpus as corpus_lib
-from realm_jax.data import masking
 from realm_jax.data.prepared import (
     DATASETS,
     FORMAT_VERSION,
@@ -158,7 +158,10 @@ def _chunks(it, n: int):
 
 
 def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
-    """Read data.corpus and cut every document into blocks (ids 0..N-1 in corpus order)."""
+    """Read data.corpus and cut every document into blocks (ids 0..N-1 in corpus order); the
+    release's block records (blocks.tfr, block_records.npy) are taken as they are."""
+    if block_records.is_release_corpus(data.corpus):
+        return block_records.release_blocks(data, stats)
     docs = corpus_lib.read_documents(data.corpus, skip_bad_input=data.skip_bad_input, stats=stats)
     blocks: list[corpus_lib.Block] = []
     with _progress(total=_count_lines(data.corpus), desc="blocks: tokenise", unit="doc") as bar:
@@ -313,7 +316,10 @@ def fingerprint(data) -> str:
         if src and not fs.exists(src):
             where = "" if os.path.isabs(src) else f" (relative to {os.getcwd()})"
             raise corpus_lib.CorpusError(f"data.{field}={src!r}: no such file or folder{where}")
-        for path in corpus_lib.input_files(src) if src else []:
+        if not src:
+            continue
+        release = field == "corpus" and block_records.is_release_corpus(src)
+        for path in block_records.input_files(src) if release else corpus_lib.input_files(src):
             _hash_file(h, path)
     _hash_file(h, tk.VOCAB_PATH)
     h.update(json.dumps({k: data[k] for k in FP_FIELDS}, sort_keys=True).encode())
@@ -453,6 +459,10 @@ def choose_engine(data, beam_runner: str = "") -> str:
     """'local' or 'beam' from data.engine; auto: Beam for a line file of at least
     data.beam_min_passages lines (or when a --beam_runner is named), else in process."""
     engine = data.get("engine", "auto")
+    if block_records.is_release_corpus(data.corpus):  # read in process (data/block_records.py)
+        if engine == "beam" or beam_runner:
+            raise PrepareError(f"{data.corpus}: release block records are prepared in process")
+        return "local"
     if engine == "local":
         if beam_runner:
             raise PrepareError(f"--beam_runner={beam_runner} needs data.engine=beam (or auto)")

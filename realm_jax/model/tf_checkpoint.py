@@ -1,0 +1,420 @@
+"""Read TensorFlow checkpoints (the V2 "tensor bundle" a tf.compat.v1 Saver writes) without
+TensorFlow: the release's TF1 checkpoints and TF-Hub modules become numpy arrays.
+
+A checkpoint is `<prefix>.index` plus `<prefix>.data-0000N-of-0000M` shards. The index is a
+LevelDB-format table (blocks of prefix-compressed keys with restart points, a 5-byte trailer
+per block: compression type + masked crc32c, an index block of block handles, a 48-byte footer
+with the table's magic number); its keys are variable names ("" holds the BundleHeaderProto)
+and its values BundleEntryProto messages (dtype, shape, shard_id, offset, size, crc32c), read
+here with a small protobuf wire-format decoder. Every tensor's bytes are checked against the
+entry's masked crc32c, as TensorFlow does.
+
+    ckpt = TFCheckpoint("gs://realm-data/cc_news_pretrained/embedder")  # a folder or a prefix
+    ckpt.names(); ckpt.shape(name); ckpt.read(name) -> np.ndarray
+    load_checkpoint(path) -> {name: np.ndarray}
+
+`path` may be a checkpoint prefix, its .index file, a folder with a `checkpoint` state file, a
+TF-Hub module or SavedModel folder (variables/variables.index), ORQA's model_dir
+(export/best_default/checkpoint/, the best checkpoint ORQA's exporter keeps) or a folder with
+exactly one .index file; local or gs:// (through realm_jax.fs). Tables compressed with snappy
+(which tensor bundles never are) and partitioned (sliced) variables are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import google_crc32c
+import numpy as np
+
+from realm_jax import fs
+
+TABLE_MAGIC = 0xDB4775248B80FB57  # LevelDB's table magic, kept by TensorFlow's table format
+FOOTER_LEN = 48  # two block handles padded to 40 bytes, then the 8-byte magic
+TRAILER_LEN = 5  # compression type byte + masked crc32c
+CHUNK = 1 << 26  # bytes read (and checksummed) at a time
+
+# TensorFlow's DataType enum -> numpy dtype (DT_STRING = 7 is read separately).
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<f4"),  # DT_FLOAT
+    2: np.dtype("<f8"),  # DT_DOUBLE
+    3: np.dtype("<i4"),  # DT_INT32
+    4: np.dtype("u1"),  # DT_UINT8
+    5: np.dtype("<i2"),  # DT_INT16
+    6: np.dtype("i1"),  # DT_INT8
+    8: np.dtype("<c8"),  # DT_COMPLEX64
+    9: np.dtype("<i8"),  # DT_INT64
+    10: np.dtype("?"),  # DT_BOOL
+    17: np.dtype("<u2"),  # DT_UINT16
+    18: np.dtype("<c16"),  # DT_COMPLEX128
+    19: np.dtype("<f2"),  # DT_HALF
+    22: np.dtype("<u4"),  # DT_UINT32
+    23: np.dtype("<u8"),  # DT_UINT64
+}
+DT_STRING, DT_BFLOAT16 = 7, 14
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: missing or truncated file, bad checksum, a format
+    this reader does not handle. The message names the file."""
+
+
+def mask_crc(crc: int) -> int:
+    """TensorFlow's (and LevelDB's) masked crc32c: rotate right by 15, add a constant."""
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def crc32c(data, crc: int = 0) -> int:
+    return google_crc32c.extend(crc, bytes(data) if isinstance(data, memoryview) else data)
+
+
+# ------------------------------------------------------------------------- protobuf wire format
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """(value, next position) of the base-128 varint at buf[pos]."""
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise CheckpointError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise CheckpointError("malformed varint")
+
+
+def proto_fields(buf: bytes) -> dict[int, list]:
+    """{field number: [values]} of a serialized protobuf message: ints for varint and fixed
+    fields, bytes for length-delimited ones (sub-messages are parsed by the caller)."""
+    out: dict[int, list] = {}
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 1:
+            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            value, pos = bytes(buf[pos : pos + n]), pos + n
+        elif wire == 5:
+            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+        else:
+            raise CheckpointError(f"unsupported protobuf wire type {wire} (field {field})")
+        if pos > len(buf):
+            raise CheckpointError("truncated protobuf message")
+        out.setdefault(field, []).append(value)
+    return out
+
+
+def _int64(value: int) -> int:
+    """A varint read as protobuf's int64 (negative numbers are 10-byte two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _first(fields: dict, number: int, default=0):
+    return fields.get(number, [default])[-1]  # protobuf: the last occurrence wins
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One BundleEntryProto: where a tensor lies and how to check it."""
+
+    name: str
+    tf_dtype: int
+    shape: tuple[int, ...]
+    shard_id: int
+    offset: int
+    size: int
+    crc32c: int  # masked
+    sliced: bool
+
+    @property
+    def dtype(self) -> np.dtype | str:
+        """The numpy dtype ("string" for DT_STRING, ml_dtypes' bfloat16 for DT_BFLOAT16)."""
+        if self.tf_dtype == DT_STRING:
+            return "string"
+        if self.tf_dtype == DT_BFLOAT16:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        if self.tf_dtype not in DTYPES:
+            raise CheckpointError(f"{self.name}: unsupported TensorFlow dtype {self.tf_dtype}")
+        return DTYPES[self.tf_dtype]
+
+
+def _entry(name: str, buf: bytes) -> TensorEntry:
+    f = proto_fields(buf)
+    dims = []
+    shape = proto_fields(_first(f, 2, b""))
+    for dim in shape.get(2, []):
+        dims.append(_int64(_first(proto_fields(dim), 1)))
+    return TensorEntry(
+        name=name,
+        tf_dtype=_first(f, 1),
+        shape=tuple(dims),
+        shard_id=_first(f, 3),
+        offset=_int64(_first(f, 4)),
+        size=_int64(_first(f, 5)),
+        crc32c=_first(f, 6),
+        sliced=bool(f.get(7)),
+    )
+
+
+# ------------------------------------------------------------------------------- table format
+def _block(data: bytes, offset: int, size: int, where: str) -> bytes:
+    """The contents of the table block at (offset, size), its trailer checked."""
+    end = offset + size + TRAILER_LEN
+    if offset < 0 or end > len(data):
+        raise CheckpointError(f"{where}: truncated (a block ends at byte {end} of {len(data)})")
+    contents, kind = data[offset : offset + size], data[offset + size]
+    stored = int.from_bytes(data[offset + size + 1 : end], "little")
+    if mask_crc(crc32c(data[offset : offset + size + 1])) != stored:
+        raise CheckpointError(f"{where}: checksum mismatch in the block at byte {offset}")
+    if kind == 1:
+        raise CheckpointError(
+            f"{where}: the table is snappy-compressed, which this reader does not decode "
+            "(TensorFlow's own checkpoints are not compressed)"
+        )
+    if kind != 0:
+        raise CheckpointError(f"{where}: unknown block compression type {kind}")
+    return contents
+
+
+def _block_entries(block: bytes, where: str) -> list[tuple[bytes, bytes]]:
+    """(key, value) pairs of one table block, keys restored from their shared prefixes."""
+    if len(block) < 4:
+        raise CheckpointError(f"{where}: malformed table block")
+    num_restarts = int.from_bytes(block[-4:], "little")
+    end = len(block) - 4 - 4 * num_restarts
+    if end < 0:
+        raise CheckpointError(f"{where}: malformed table block ({num_restarts} restarts)")
+    out, key, pos = [], b"", 0
+    try:
+        while pos < end:
+            shared, pos = _varint(block, pos)
+            unshared, pos = _varint(block, pos)
+            value_len, pos = _varint(block, pos)
+            if shared > len(key) or pos + unshared + value_len > end:
+                raise CheckpointError(f"{where}: malformed table entry at byte {pos}")
+            key = key[:shared] + block[pos : pos + unshared]
+            pos += unshared
+            out.append((key, block[pos : pos + value_len]))
+            pos += value_len
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return out
+
+
+def _handle(value: bytes) -> tuple[int, int]:
+    offset, pos = _varint(value, 0)
+    size, _ = _varint(value, pos)
+    return offset, size
+
+
+def read_table(data: bytes, where: str) -> list[tuple[bytes, bytes]]:
+    """Every (key, value) of a LevelDB-format table held in `data`, in key order."""
+    if len(data) < FOOTER_LEN:
+        raise CheckpointError(f"{where}: truncated ({len(data)} bytes; not a checkpoint index)")
+    footer = data[-FOOTER_LEN:]
+    if int.from_bytes(footer[-8:], "little") != TABLE_MAGIC:
+        raise CheckpointError(f"{where}: not a TensorFlow checkpoint index (bad magic; truncated?)")
+    _, pos = _varint(footer, 0)  # the metaindex handle (an empty block in TF's tables)
+    _, pos = _varint(footer, pos)
+    index_offset, pos = _varint(footer, pos)
+    index_size, _ = _varint(footer, pos)
+    out = []
+    for _, handle in _block_entries(_block(data, index_offset, index_size, where), where):
+        offset, size = _handle(handle)
+        out.extend(_block_entries(_block(data, offset, size, where), where))
+    return out
+
+
+# ------------------------------------------------------------------------------ path handling
+def _state_file_prefix(folder: str) -> str | None:
+    """The latest checkpoint a `checkpoint` state file names (relative to the folder, or an
+    absolute path; one written on another machine falls back to its basename here)."""
+    state = fs.join(folder, "checkpoint")
+    if not fs.isfile(state):
+        return None
+    m = re.search(r'^model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', fs.read_text(state), re.M)
+    if not m:
+        raise CheckpointError(f"{state}: no model_checkpoint_path in the state file")
+    named = m.group(1).encode().decode("unicode_escape")
+    absolute = fs.is_remote(named) or os.path.isabs(named)
+    for cand in ([named] if absolute else [fs.join(folder, named)]) + [
+        fs.join(folder, fs.basename(named))
+    ]:
+        if fs.isfile(cand + ".index"):
+            return cand
+    raise CheckpointError(f"{state} names {named!r}, which has no .index file")
+
+
+def resolve_prefix(path: str) -> str:
+    """The checkpoint prefix that `path` stands for (see the module docstring)."""
+    path = os.fspath(path).rstrip("/") if fs.is_remote(path) else os.fspath(path)
+    if path.endswith(".index") and fs.isfile(path):
+        return path[: -len(".index")]
+    if fs.isfile(path + ".index"):
+        return path
+    if fs.isdir(path):
+        found = _state_file_prefix(path)
+        if found:
+            return found
+        for sub in (("variables", "variables"), ("export", "best_default", "checkpoint")):
+            cand = fs.join(path, *sub)
+            if fs.isfile(cand + ".index"):
+                return cand
+            if fs.isdir(cand):
+                return resolve_prefix(cand)
+        indexes = sorted(n for n in fs.listdir(path) if n.endswith(".index"))
+        if len(indexes) == 1:
+            return fs.join(path, indexes[0][: -len(".index")])
+        if len(indexes) > 1:
+            raise CheckpointError(
+                f"{path}: {len(indexes)} checkpoints and no `checkpoint` state file: name one "
+                f"({', '.join(i[: -len('.index')] for i in indexes[:4])})"
+            )
+    where = "" if fs.is_remote(path) or os.path.isabs(path) else f" (relative to {os.getcwd()})"
+    raise CheckpointError(
+        f"{path}: no TensorFlow checkpoint{where}: looked for {path}.index, a `checkpoint` "
+        "state file, variables/variables.index, export/best_default/checkpoint/ and a single "
+        "*.index in the folder"
+    )
+
+
+# -------------------------------------------------------------------------------- checkpoints
+class TFCheckpoint:
+    """An opened checkpoint: its entries read from the index; tensors read on demand."""
+
+    def __init__(self, path: str):
+        self.prefix = resolve_prefix(path)
+        index = self.prefix + ".index"
+        try:
+            data = fs.read_bytes(index)
+        except OSError as e:
+            raise CheckpointError(f"{index}: cannot read: {e}") from e
+        self.entries: dict[str, TensorEntry] = {}
+        header = None
+        for key, value in read_table(data, index):
+            if key == b"":
+                header = proto_fields(value)
+            elif not key.startswith(b"\x00"):  # slice keys of partitioned variables
+                name = key.decode("utf-8")
+                self.entries[name] = _entry(name, value)
+        if header is None:
+            raise CheckpointError(f"{index}: no bundle header (not a V2 checkpoint index)")
+        if _first(header, 2) != 0:
+            raise CheckpointError(f"{index}: big-endian checkpoint, not supported")
+        self.num_shards = _first(header, 1, 1)
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._get(name).shape
+
+    def _get(self, name: str) -> TensorEntry:
+        if name not in self.entries:
+            raise CheckpointError(f"{self.prefix}: no variable {name!r}")
+        return self.entries[name]
+
+    def shard_path(self, shard_id: int) -> str:
+        return f"{self.prefix}.data-{shard_id:05d}-of-{self.num_shards:05d}"
+
+    def read(self, name: str, *, verify: bool = True) -> np.ndarray:
+        """The tensor `name` as numpy (strings: an object array of bytes), crc-checked."""
+        e = self._get(name)
+        if e.sliced:
+            raise CheckpointError(f"{self.prefix}: {name} is a partitioned (sliced) variable")
+        dtype, count = e.dtype, int(np.prod(e.shape, dtype=np.int64))
+        if dtype != "string" and e.size != count * dtype.itemsize:
+            raise CheckpointError(
+                f"{self.prefix}: {name}: entry size {e.size} != {count} x {dtype.itemsize} bytes"
+            )
+        buf = np.empty(e.size, np.uint8)
+        where = f"{self.shard_path(e.shard_id)}: {name}"
+        if dtype == "string":  # its checksum covers the lengths as uint64s, not the varints
+            self._read_into(e, memoryview(buf), False)
+            out, crc = _strings(buf.tobytes(), count, e.shape, where)
+        else:
+            crc = self._read_into(e, memoryview(buf), verify)
+            out = buf.view(dtype).reshape(e.shape)
+        if verify and mask_crc(crc) != e.crc32c:
+            raise CheckpointError(
+                f"{where}: checksum mismatch (bytes {e.offset}..{e.offset + e.size}): the "
+                "file is corrupt"
+            )
+        return out
+
+    def _read_into(self, e: TensorEntry, out: memoryview, verify: bool) -> int:
+        path = self.shard_path(e.shard_id)
+        crc = 0
+        try:
+            with fs.open(path, "rb") as f:
+                f.seek(e.offset)
+                pos = 0
+                while pos < e.size:
+                    chunk = f.read(min(CHUNK, e.size - pos))
+                    if not chunk:
+                        raise CheckpointError(
+                            f"{path}: truncated: {e.name} needs bytes {e.offset}.."
+                            f"{e.offset + e.size}, the file ends at byte {e.offset + pos}"
+                        )
+                    out[pos : pos + len(chunk)] = chunk
+                    crc = crc32c(chunk, crc) if verify else 0
+                    pos += len(chunk)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing data shard of {self.prefix}") from None
+        return crc
+
+    def read_all(self, names=None, *, verify: bool = True) -> dict[str, np.ndarray]:
+        return {n: self.read(n, verify=verify) for n in (names or self.names())}
+
+
+def _strings(raw: bytes, count: int, shape: tuple, where: str) -> tuple[np.ndarray, int]:
+    """A DT_STRING tensor and its crc32c. Layout: each string's length as a varint64, a masked
+    crc32c of the lengths, then the strings' bytes; the entry's crc32c covers the lengths, the
+    4 checksum bytes and the strings. The lengths are checksummed as fixed-width integers:
+    uint32 in TensorFlow 2's writer, uint64 in older ones; whichever matches is used."""
+    lengths, pos = [], 0
+    try:
+        for _ in range(count):
+            n, pos = _varint(raw, pos)
+            lengths.append(n)
+    except CheckpointError:
+        raise CheckpointError(f"{where}: malformed string tensor") from None
+    stored = raw[pos : pos + 4]
+    for width in (4, 8):
+        crc = 0
+        for n in lengths:
+            crc = crc32c(n.to_bytes(width, "little"), crc) if n < 1 << (8 * width) else -1
+        if crc >= 0 and int.from_bytes(stored, "little") == mask_crc(crc):
+            break
+    else:
+        raise CheckpointError(f"{where}: checksum mismatch in the string lengths")
+    crc, pos = crc32c(stored, crc), pos + 4
+    out = np.empty(count, dtype=object)
+    for i, n in enumerate(lengths):
+        out[i] = raw[pos : pos + n]
+        crc = crc32c(out[i], crc)
+        pos += n
+    if pos != len(raw):
+        raise CheckpointError(f"{where}: string tensor of {len(raw)} bytes holds {pos}")
+    return out.reshape(shape), crc
+
+
+def list_variables(path: str) -> list[tuple[str, list[int]]]:
+    """[(name, shape)] of a checkpoint, as tf.train.list_variables returns them."""
+    ckpt = TFCheckpoint(path)
+    return [(n, list(ckpt.shape(n))) for n in ckpt.names()]
+
+
+def load_checkpoint(path: str, names=None, *, verify: bool = True) -> dict[str, np.ndarray]:
+    """{name: array} of every variable (or of `names`) in a checkpoint."""
+    return TFCheckpoint(path).read_all(names, verify=verify)
