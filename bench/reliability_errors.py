@@ -242,8 +242,8 @@ CASES = (
         "weights_pickle",
         "a weights folder holding only a pickle",
         _with_data("train", f"--config.model.init_reader_from={TMP}/pickled_model"),
-        "no model.safetensors (found pytorch_model.bin: convert it to safetensors; "
-        "pickles are never loaded)",
+        "pytorch_model.bin: not a zip archive: the legacy torch.save format (before PyTorch "
+        "1.6) is not read, as its pickles are never loaded",
     ),
     Case(
         "ict_warm_start_missing",
