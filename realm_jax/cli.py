@@ -36,8 +36,8 @@ ENTRY = {
     "finetune": "realm_jax.qa.commands:finetune",
     "evaluate": "realm_jax.qa.commands:evaluate",
     "plan": "realm_jax.plan:command",
-    "import": "realm_jax.model.hf_commands:import_command",
-    "export": "realm_jax.model.hf_commands:export_command",
+    "import": "realm_jax.interop:import_command",
+    "export": "realm_jax.interop:export_command",
 }
 TASK_COMMANDS = {
     "realm": {

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from realm_jax import cli
+from realm_jax import interop as hf_commands
 from realm_jax.config import load_config
-from realm_jax.model import hf_commands, hf_export, safe_pickle
+from realm_jax.model import hf_export, safe_pickle
 from realm_jax.model import hf_import as weights
 from realm_jax.model.bert import ModelConfig
 from tests.conftest import REPO

@@ -14,7 +14,7 @@ LAYERS = [
     {"index"},
     {"train"},
     {"pretrain", "ict", "qa"},  # the tasks
-    {"cli", "__main__", "sweep", "plan"},  # entry points (cli names commands as strings)
+    {"cli", "__main__", "sweep", "plan", "interop"},  # entry points (cli names commands as strings)
 ]
 TASKS = LAYERS[4]
 
