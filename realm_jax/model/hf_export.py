@@ -32,6 +32,7 @@ import os
 import numpy as np
 
 from realm_jax.model.bert import ModelConfig
+from realm_jax.model.hf_import import CHECKED_FIELDS
 
 
 class ExportError(ValueError):
@@ -162,18 +163,9 @@ def hf_config(cfg: ModelConfig, architecture: str, **extra) -> dict:
     return out
 
 
-# The fields HF's RealmConfig shares between the embedder and the reader of one model.
-SHARED_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "intermediate_size",
-    "hidden_act",
-    "max_position_embeddings",
-    "type_vocab_size",
-    "layer_norm_eps",
-)
+# The fields HF's RealmConfig shares between the embedder and the reader of one model: the
+# ones an import checks against the configured architecture.
+SHARED_FIELDS = CHECKED_FIELDS
 
 
 def architecture_differences(ecfg: ModelConfig, rcfg: ModelConfig) -> list[str]:
