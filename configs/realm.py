@@ -191,6 +191,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # equal inprocess mode's, staleness stays below refresh.every. False: the paper's
     # asynchronous refresh, the newest published version taken every check_every steps.
     c.refresh.lockstep = False  # needs train.checkpoint_every to divide refresh.every
+    # external, not lockstep: each host reads its rows of a new version in a background thread
+    # while the trainer keeps stepping; the swap happens at the first look (check_every) at
+    # which every host has its rows (the trainer then waits only for the device copy).
+    # False: read on the trainer's critical path at the look that finds the version.
+    c.refresh.background_reads = True  # read a new version's rows beside the training steps
     # also serialise a ScaNN searcher with every index (host-side search for `ask`; the trainer
     # never uses it, and at 13M blocks it costs the refresh job minutes a version)
     c.refresh.build_scann = False  # build a ScaNN searcher with every published index

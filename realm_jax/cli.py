@@ -155,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
                 "--hbm_gib", type=float, default=0.0, help="HBM per device (default: the chip's)"
             )
             s.add_argument("--json", default="", help="also write the figures to this file")
+            s.add_argument(
+                "--programs",
+                choices=("all", "train", "refresh"),
+                default="all",
+                help="compile only the train step, or only the refresh job's corpus embedding "
+                "(the program a refresh slice runs)",
+            )
         if name == "sweep":
             _sweep_arguments(s)
         if name in ("import", "export"):

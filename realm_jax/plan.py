@@ -476,8 +476,11 @@ def num_blocks_for(config, workdir: str, given: int) -> tuple[int, str]:
     return WIKIPEDIA_BLOCKS, "REALM's Wikipedia; --num_blocks to change"
 
 
-def plan(config, target: Target, num_blocks: int, source: str = "") -> tuple[dict, list]:
-    """(header, one result per program) for config on target."""
+def plan(
+    config, target: Target, num_blocks: int, source: str = "", only: str = "all"
+) -> tuple[dict, list]:
+    """(header, one result per program) for config on target; `only`: "train" compiles the
+    train step alone, "refresh" the refresh job's corpus embedding alone (a refresh slice)."""
     from realm_jax import sharding
 
     if config.task not in PROGRAMS:
@@ -504,7 +507,12 @@ def plan(config, target: Target, num_blocks: int, source: str = "") -> tuple[dic
         "num_blocks_source": source,
     }
     results = []
-    for program in PROGRAMS[config.task](config, mesh, num_blocks):
+    programs = PROGRAMS[config.task](config, mesh, num_blocks)
+    if only != "all":
+        programs = [p for p in programs if p.name.startswith("refresh") == (only == "refresh")]
+        if not programs:
+            raise PlanError(f"--programs {only}: task {config.task!r} has no such program")
+    for program in programs:
         log.info("compiling %s for %s", program.name, target.name)
         results.append(analyse(program, target.hbm_bytes))
     return head, results
@@ -519,7 +527,7 @@ def command(config, args) -> int:
     if args.json:  # a missing bucket fails now, not after minutes of compiling
         fs.check_buckets([args.json])
     n, source = num_blocks_for(config, args.workdir, args.num_blocks)
-    head, results = plan(config, target, n, source)
+    head, results = plan(config, target, n, source, getattr(args, "programs", "all"))
     head["config"] = args.config
     print(format_report(head, results), flush=True)
     if args.json:

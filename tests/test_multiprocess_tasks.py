@@ -107,6 +107,19 @@ feed.start(None, 3)
 got = sharding.to_host(feed.emb)
 assert feed.step == 3 and np.array_equal(got[: len(emb)], emb) and not got[len(emb):].any()
 print(f"SWAP {pid} {feed.last_swap_bytes}", flush=True)
+# a newer version read beside the steps (refresh.background_reads): every process swaps at
+# the same look, the first at which both have read their rows
+if pid == 0:
+    store.publish_index(os.path.join(workdir, "index"), 5, emb[::-1].copy(), block_rows=8)
+sharding.broadcast_text("published 5")
+import time
+for step in range(4, 400):
+    if feed.maybe_refresh(None, step):
+        break
+    time.sleep(0.05)
+got = sharding.to_host(feed.emb)
+assert feed.step == 5 and np.array_equal(got[: len(emb)], emb[::-1]), feed.step
+print(f"SWAP5 {pid} {step}", flush=True)
 jax.distributed.shutdown()
 """
 
@@ -209,7 +222,8 @@ def test_a_swap_reads_only_the_rows_of_the_hosts_devices(tmp_path, monkeypatch):
     by their sha256) only the row blocks its own devices hold, about half the matrix, and the
     row-sharded index they build together equals the published one (61 blocks padded to 64:
     16 rows a device, blocks of 8 rows; process 0 holds rows 0-31, process 1 rows 32-63 of
-    which 32-60 exist)."""
+    which 32-60 exist); a newer version read beside the steps is swapped in by both processes
+    at the same look."""
     monkeypatch.setenv("SWAP_WORKDIR", str(tmp_path / "work"))
     log = str(tmp_path / "swap")
     out = _wait({"swap": (_start(["-c", SWAP_WORKER], 2, log), log)})["swap"]
@@ -221,6 +235,14 @@ def test_a_swap_reads_only_the_rows_of_the_hosts_devices(tmp_path, monkeypatch):
     }
     row = 128 * 4  # bytes of one 128-dimensional float32 row
     assert read == {0: 32 * row, 1: (61 - 32) * row}, out
+    # the newer version, read in the background, is swapped in by both at the same look
+    swapped = {
+        line.split()[1]: line.split()[2]
+        for o in out
+        for line in o.splitlines()
+        if line.startswith("SWAP5 ")
+    }
+    assert len(swapped) == 2 and len(set(swapped.values())) == 1, out
 
 
 @pytest.fixture(scope="module")

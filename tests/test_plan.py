@@ -189,3 +189,34 @@ def test_base_plans_on_a_64_device_topology(tmp_path):
     assert train["groups"]["token table shard"] == -(-plan.WIKIPEDIA_BLOCKS // 64) * 288 * 4
     if plan.libtpu_version() is not None:
         assert rc == 0 and all(p["fits"] for p in fig["programs"]), out
+
+
+def test_refresh_slice_plan_and_the_flop_count_it_is_read_with(tmp_path):
+    """`--programs refresh` compiles the refresh job's corpus embedding alone (what a refresh
+    slice runs); and bench/flops.py's hand count of a document embedder's FLOPs, which
+    bench/refresh_scale.py scales to 13M blocks, agrees with XLA's cost analysis of that
+    program (one embedding chunk, so no loop body is counted once for many trips)."""
+    rc, out, err, fig = run_plan(tmp_path, *SMOKE, "--topology", "cpu:2", "--programs", "refresh")
+    assert rc == 0, err
+    assert [p["program"] for p in fig["programs"]] == ["refresh: embed the corpus"]
+    assert "REALM train step" not in out
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from flops import embedder_flops
+
+    from realm_jax import sharding
+    from realm_jax.index.corpus import abstract_params, embed_blocks_fn
+    from realm_jax.model.bert import ModelConfig
+    from realm_jax.model.realm import doc_embedder_name
+
+    config = load_config("configs/realm.py:smoke")
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    e = ModelConfig.from_config(config.model, "embedder")
+    name = doc_embedder_name(e)
+    model, params = abstract_params(config, mesh, name)
+    n = config.refresh.embed_batch_size  # one chunk
+    tokens = jax.ShapeDtypeStruct((n, config.data.block_len), jax.numpy.int32)
+    fn = embed_blocks_fn(model, mesh, n)
+    cost = fn.lower({name: params}, tokens).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    assert cost["flops"] == pytest.approx(embedder_flops(e, n, config.data.block_len), rel=0.1)

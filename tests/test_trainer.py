@@ -164,7 +164,11 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     checkpoint.save(mgr, 5, state1)  # new document embedder parameters
     mgr.wait_until_finished()
     assert refresher.run(max_versions=1) == 1
-    assert feed.maybe_refresh(state1.params, 5) and feed.step == 5
+    # The first look starts reading the new version beside the training steps (the trainer
+    # does not wait for it); a later look swaps it in once every host has its rows.
+    assert not feed.maybe_refresh(state1.params, 5) and feed.step == 0
+    assert feed._pending[2].done.wait(60)
+    assert feed.maybe_refresh(state1.params, 6) and feed.step == 5
     ids1, emb1 = top_ids()
     want1 = np.asarray(embed_ref(state1.params, tokens))
     np.testing.assert_allclose(emb1, want1, atol=2e-5)
@@ -200,6 +204,48 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     hits = serve.ask(cfg, workdir, "Which earthquake struck Sichuan in 2008?", 3)
     titles = prepared.load_blocks(data_dir)[2]
     assert len(hits) == 3 and all(title in titles for title, _, _ in hits)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_new_index_is_read_beside_the_training_steps(tmp_path, monkeypatch, background):
+    """refresh.background_reads: while a host's read of a new version is slow (held here),
+    every look returns at once and the trainer keeps the old index; the look after the read
+    completes swaps the new rows in. Off: the look that finds the version reads it inline."""
+    import threading
+
+    from realm_jax.index import feed as feed_module
+    from realm_jax.model.realm import realm_model
+    from tests.realm_fixtures import synthetic_index, tiny_config
+
+    cfg = tiny_config("refresh.mode=external", f"refresh.background_reads={background}")
+    mesh = sharding.make_mesh(cfg.mesh)
+    emb, tokens = synthetic_index(cfg)
+    idx = index_dir(str(tmp_path))
+    store.publish_index(idx, 1, emb)
+    feed = IndexFeed(cfg, str(tmp_path), mesh, realm_model(cfg.model), tokens)
+    feed.start(None, 1)
+    store.publish_index(idx, 7, emb[::-1].copy())
+    release, real = threading.Event(), store.load_rows
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(feed_module.store, "load_rows", held)
+    if not background:
+        release.set()
+        assert feed.maybe_refresh(None, 2) and feed.step == 7
+        assert feed.last_swap_seconds > 0
+    else:
+        t0 = time.time()
+        for step in range(2, 6):
+            assert not feed.maybe_refresh(None, step) and feed.step == 1
+        assert time.time() - t0 < 10  # no look waited for the held read
+        release.set()
+        assert feed._pending[2].done.wait(60)
+        assert feed.maybe_refresh(None, 6) and feed.step == 7
+    got = sharding.to_host(feed.emb)[: len(emb)]
+    np.testing.assert_array_equal(got, emb[::-1])
 
 
 def test_scann_recall_on_sample_corpus_embeddings(tmp_path):

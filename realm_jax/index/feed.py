@@ -22,6 +22,7 @@ not bit-exact with the uninterrupted run; the other modes' resumes are."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import jax
@@ -72,45 +73,56 @@ class IndexFeed:
         self.last_swap_seconds = 0.0
         self.last_swap_bytes = 0  # bytes of embeddings this process read for its last swap
         self._bad: set[int] = set()  # versions rejected by a row checksum
+        self._pending = None  # background_reads: (step, path, _Read) being read
         self._warned = -1
         self.health = None  # raises when `local`'s refresh job has died (lockstep waits)
+
+    def _my_ranges(self) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+        """(padded matrix shape, the row ranges this process's devices hold)."""
+        shape = (int(self.tokens.shape[0]), int(self.config.model.proj_size))
+        index_map = sharding.rows_sharding(self.mesh).addressable_devices_indices_map(shape)
+        ranges = sorted(
+            {(idx[0].start or 0, idx[0].stop or shape[0]) for idx in index_map.values()}
+        )
+        return shape, ranges
 
     def _load_published(self, step: int, path: str) -> bool:
         """Swap in version `step`: each process reads and verifies only the rows its own
         devices hold (store.load_rows: per-block sha256), then every process agrees; a block
         that fails its checksum on any process rejects the version on all (False: the index
         is unchanged and the version is never tried again)."""
+        read = _Read(path, self._my_ranges()[1])
+        read.run()
+        read.waited = read.seconds
+        return self._swap_in(step, path, read)
+
+    def _swap_in(self, step: int, path: str, read: _Read) -> bool:
+        """Put a finished read on the devices (or reject the version everywhere); a collective."""
         t0 = time.time()
-        shape = (int(self.tokens.shape[0]), int(self.config.model.proj_size))
-        rows = sharding.rows_sharding(self.mesh)
-        index_map = rows.addressable_devices_indices_map(shape)
-        ranges = sorted(
-            {(idx[0].start or 0, idx[0].stop or shape[0]) for idx in index_map.values()}
-        )
-        error = ""
-        try:
-            parts, self.last_swap_bytes = store.load_rows(path, ranges)
-        except (store.CorruptIndexError, OSError) as e:
-            parts, error = {}, str(e)
-        if not _all_processes(not error):
+        if not _all_processes(not read.error):
             self._bad.add(step)
-            log.warning("index: version %d rejected (%s)", step, error or "on another process")
+            log.warning("index: version %d rejected (%s)", step, read.error or "on another process")
             return False
+        shape, rows = self._my_ranges()[0], sharding.rows_sharding(self.mesh)
+        parts = read.parts
         new = jax.make_array_from_callback(
             shape, rows, lambda idx: parts[(idx[0].start or 0, idx[0].stop or shape[0])]
         )
         new.block_until_ready()
         self.emb, self.step = new, step
-        self.last_swap_seconds = time.time() - t0
+        self.last_swap_bytes = read.nbytes
+        self.last_swap_seconds = time.time() - t0 + read.waited
         if jax.process_index() == 0:
             retention.mark_in_use(self.dir, step, self.owner)
         log.info(
-            "index: now using version %d (%s), read %.1f MB of its %.1f MB on this host, swap "
-            "took %.2fs",
+            "index: now using version %d (%s), read %.1f MB of its %.1f MB on this host in "
+            "%.2fs%s, the trainer waited %.2fs",
             step,
             path,
             self.last_swap_bytes / 1e6,
             self.num_blocks * shape[1] * 4 / 1e6,
+            read.seconds,
+            " beside the training steps" if read.waited == 0 else "",
             self.last_swap_seconds,
         )
         return True
@@ -284,9 +296,13 @@ class IndexFeed:
             if step != self.step:
                 self._wait_for(step)
             return True
-        found = self._agreed_newest()
-        if found is not None and self._load_published(*found):
-            return True
+        if self.config.refresh.get("background_reads", True):
+            if self._background_swap():
+                return True
+        else:
+            found = self._agreed_newest()
+            if found is not None and self._load_published(*found):
+                return True
         stale = step - self.step
         if stale > self.config.refresh.max_staleness and self._warned != self.step:
             log.warning(
@@ -297,6 +313,48 @@ class IndexFeed:
             )
             self._warned = self.step
         return False
+
+    def _background_swap(self) -> bool:
+        """refresh.background_reads: at a look, swap in a version whose rows every process has
+        read beside the training steps (True), else start reading the newest published one
+        (the trainer does not wait for it; the swap happens at a later look)."""
+        if self._pending is not None:
+            step, path, read = self._pending
+            if not _all_processes(read.done.is_set()):
+                return False  # a host is still reading: look again at the next due step
+            self._pending = None
+            return self._swap_in(step, path, read)
+        found = self._agreed_newest()
+        if found is not None:
+            read = _Read(found[1], self._my_ranges()[1])
+            threading.Thread(target=read.run, name=f"index-read-{found[0]}", daemon=True).start()
+            self._pending = (found[0], found[1], read)
+            log.info("index: reading version %d beside the training steps", found[0])
+        return False
+
+
+class _Read:
+    """One process's read of its rows of a published version (store.load_rows), run inline
+    or in a background thread."""
+
+    def __init__(self, path: str, ranges: list[tuple[int, int]]):
+        self.path, self.ranges = path, ranges
+        self.parts: dict = {}
+        self.nbytes, self.seconds, self.error = 0, 0.0, ""
+        self.done = threading.Event()
+        self.waited = 0.0  # set by an inline reader: the trainer waited for all of it
+
+    def run(self) -> None:
+        t0 = time.time()
+        try:
+            self.parts, self.nbytes = store.load_rows(self.path, self.ranges)
+        except (store.CorruptIndexError, OSError) as e:
+            self.error = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure rejects the version, never hangs
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.seconds = time.time() - t0
+            self.done.set()
 
 
 def _said(progress: dict | None) -> str:
