@@ -528,3 +528,36 @@ def test_held_out_evaluation_against_numpy(setup):
     counts = np.array([titles.count(t[o]) for o in own[ok]])
     np.testing.assert_allclose(got["same_title_random"], ((counts - 1) / (len(t) - 1)).mean())
     assert got["examples"] == len(q) and 0 <= got["null_doc_prob"] <= 1
+
+    # Prior and posterior mass on the article's blocks: numpy over the step's own relevance
+    # and reader features (log p(y|x,z) by a full softmax over the vocabulary).
+    rel, feats, table, bias, rids = (
+        np.asarray(x, np.float64)
+        for x in train_step.retrieve_and_read(
+            params,
+            batch,
+            *index,
+            model=model,
+            mesh=mesh,
+            num_candidates=config.train.num_candidates,
+            num_valid=len(emb),
+            length=inputs.joint_len(config),
+        )
+    )
+    logits = np.einsum("bkph,vh->bkpv", feats, table) + bias
+    logits -= logits.max(-1, keepdims=True)
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    tg = batch["mlm_targets"]
+    hit = np.take_along_axis(lp, np.broadcast_to(tg[:, None, :, None], lp.shape[:3] + (1,)), -1)
+    loglik = (hit[..., 0] * w[:, None, :]).sum(-1)  # [B, K]
+    prior = np.exp(rel - rel.max(1, keepdims=True))
+    prior /= prior.sum(1, keepdims=True)
+    post = prior * np.exp(loglik - loglik.max(1, keepdims=True))
+    post /= post.sum(1, keepdims=True)
+    same = t[rids.astype(int)[ok]] == t[own[ok]][:, None]
+    np.testing.assert_allclose(
+        got["same_title_prior"], (prior[ok][:, 1:] * same).sum(1).mean(), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        got["same_title_posterior"], (post[ok][:, 1:] * same).sum(1).mean(), rtol=1e-3, atol=1e-6
+    )

@@ -11,36 +11,63 @@
 #   --config.k=v   config overrides, passed to every process (the refresher ignores mesh.shape)
 # options:
 #   --run RUN      name for the log folder ~/realm-jax/logs/RUN/ (default: basename of WORKDIR)
-#   --prepare      first run `realm_jax prepare` on worker 0 (CPU) and wait for it
-#   --no-refresh   start no refresh job (automatic with --config.refresh.mode=inprocess, and
-#                  for an ICT or QA fine-tuning config: neither reads a refreshed index)
+#   --prepare      prepare the data only: `realm_jax prepare` into WORKDIR/data (or
+#                  data.data_dir) from YOUR corpus, named by --config.data.corpus=PATH (gs://
+#                  or a path on worker 0; required when the config's corpus is the bundled
+#                  408-passage sample: name that explicitly to prepare it), and a separate
+#                  pre-training text by --config.data.sentences=PATH. Runs detached on worker 0
+#                  (setsid nohup, CPU), its log copied to WORKDIR/logs/prepare.log every minute
+#                  and at the end (last line `exit status N`); returns at once with the commands
+#                  to follow it. Start training afterwards with the same command without
+#                  --prepare. With --wait (tpu/sweep.sh) it runs in the foreground, then trains.
+#                  PREPARE_FLAGS adds prepare flags (e.g. --overwrite)
+#   --runner R     with --prepare: local (default: on worker 0's cores, Beam's DirectRunner or
+#                  in process as data.engine decides) or dataflow: Beam's DataflowRunner, its
+#                  driver detached on worker 0, with --project DATAFLOW_PROJECT (default: gcloud's
+#                  project), --region DATAFLOW_REGION (default: ZONE's region), --temp_location
+#                  DATAFLOW_TEMP_LOCATION (default WORKDIR/dataflow/tmp), --staging_location
+#                  (WORKDIR/dataflow/staging), and DATAFLOW_OPTIONS added as they are (e.g.
+#                  "--machine_type=n2-standard-8 --max_num_workers=64"); needs gs:// WORKDIR and
+#                  corpus (the Dataflow workers read and write them)
+#   --refresh-slice  run the refresh job on its own TPU slice (tpu/refresh_slice.sh, which
+#                  creates it; REFRESH_TPU_NAME, default NAME-refresh, REFRESH_ZONE, default
+#                  ZONE): start it there on every worker, start none on worker 0, and train
+#                  with refresh.mode=external; with --stop, stop it there too
+#   --no-refresh   start no refresh job (automatic with --config.refresh.mode=inprocess or
+#                  amortized, and for an ICT or QA fine-tuning config: neither reads a
+#                  refreshed index)
 #   --wait         run the trainers in the foreground, then stop the refresher (tpu/sweep.sh)
 #   --stop         send SIGTERM to this run's trainers and refresher (trainers checkpoint first)
 #   --dry-run      print the gcloud commands instead of running them
 # Every worker runs one `python -m realm_jax train --multihost` process (jax.distributed
 # auto-detects the pod) with nohup, logging to ~/realm-jax/logs/RUN/train-w<worker>.log.
-# Worker 0 also runs `python -m realm_jax refresh` (log: refresh.log). The refresher shares
-# WORKDIR with the trainers: it reads their checkpoints and publishes WORKDIR/index, which every
-# trainer host loads, hence a bucket or a shared filesystem. The trainer holds the host's TPU chips, so
-# the refresher runs on the host CPU (JAX_PLATFORMS=cpu, override with REFRESH_PLATFORMS);
-# for paper-scale corpora use --config.refresh.mode=inprocess instead (see tpu/README.md).
+# Without --refresh-slice, worker 0 also runs `python -m realm_jax refresh` (log: refresh.log).
+# The refresher shares WORKDIR with the trainers: it reads their checkpoints and publishes
+# WORKDIR/index, which every trainer host loads, hence a bucket or a shared filesystem. The
+# trainer holds the host's TPU chips, so a refresher on worker 0 runs on the host CPU
+# (JAX_PLATFORMS=cpu, override with REFRESH_PLATFORMS): enough for small corpora only; for
+# paper-scale corpora use --refresh-slice or refresh.mode=amortized/inprocess (tpu/README.md).
 # Whether a refresher is needed is read from the config (config.task realm, refresh.mode
 # external) with this repo's .venv/bin/python, $PYTHON or python3, as tpu/sweep.sh does.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
-die() { echo "tpu/launch.sh: error: $*" >&2; echo "run tpu/launch.sh --help for usage" >&2; exit 2; }
+die() { echo "tpu/launch.sh: error: $* (tpu/launch.sh --help for usage)" >&2; exit 2; }
 
+# shellcheck disable=SC2088  # expanded by the remote shell, on purpose
 REMOTE_DIR='~/realm-jax'  # where tpu/setup.sh installed the repo (expanded remotely)
+# shellcheck disable=SC2016  # expanded on each worker, on purpose
 WORKER_ID='$(curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number || hostname)'
 REFRESH_PLATFORMS=${REFRESH_PLATFORMS:-cpu}
 
-run_name='' prepare=0 refresh=1 wait=0 stop=0 dry_run=0 pos=() overrides=()
+run_name='' prepare=0 runner='' refresh=1 slice=0 wait=0 stop=0 dry_run=0 pos=() overrides=()
 while (( $# )); do
   case "$1" in
     -h|--help) usage ;;
     --run) (( $# >= 2 )) || die "--run needs a name"; run_name=$2; shift ;;
     --prepare) prepare=1 ;;
+    --runner) (( $# >= 2 )) || die "--runner needs local or dataflow"; runner=$2; shift ;;
+    --refresh-slice) slice=1 ;;
     --no-refresh) refresh=0 ;;
     --wait) wait=1 ;;
     --stop) stop=1 ;;
@@ -67,18 +94,41 @@ fi
 [[ "$spec" == *.py || "$spec" == *.py:* ]] || die "CONFIG_SPEC must be like configs/realm.py:base"
 run_name=${run_name:-$(basename "$workdir")}
 [[ "$run_name" =~ ^[A-Za-z0-9_.,=+-]+$ ]] || die "run name '$run_name' has unsafe characters"
+[[ -z "$runner" || "$runner" == local || "$runner" == dataflow ]] ||
+  die "--runner must be local or dataflow, got '$runner'"
+[[ -z "$runner" ]] || (( prepare )) || die "--runner goes with --prepare"
+(( ! (prepare && stop) )) || die "--prepare and --stop do not go together"
+(( ! (slice && !refresh) )) || die "--refresh-slice and --no-refresh do not go together"
+corpus='' mode=''
 for o in "${overrides[@]}"; do
-  [[ "$o" != --config.refresh.mode=inprocess ]] || refresh=0
+  case "$o" in
+    --config.data.corpus=*) corpus=${o#*=} ;;
+    --config.refresh.mode=*) mode=${o#*=} ;;
+  esac
 done
-if (( refresh && ! stop )); then
+[[ -z "$mode" || "$mode" == external ]] || refresh=0  # the trainers re-embed the corpus
+if (( slice )); then
+  # The trainers keep their index and look for a newer one every refresh.check_every steps;
+  # the refresh job on the other slice publishes it (tpu/refresh_slice.sh).
+  [[ -z "$mode" || "$mode" == external ]] ||
+    die "--refresh-slice needs refresh.mode=external, not --config.refresh.mode=$mode"
+  [[ -n "$mode" ]] || overrides+=(--config.refresh.mode=external)
+fi
+if (( prepare )) && [[ "$runner" == dataflow ]]; then
+  [[ "$workdir" == gs://* ]] || die "--runner dataflow needs a gs:// WORKDIR (Dataflow's workers write the data there)"
+  [[ "$corpus" == gs://* ]] ||
+    die "--runner dataflow needs --config.data.corpus=gs://... (Dataflow's workers read it)"
+fi
+if (( (refresh || prepare) && ! stop )); then
   # Only REALM pre-training with an external refresh job reads the refresher's index: ICT
-  # trains without one, QA fine-tuning (finetune, task qa) keeps its index frozen.
+  # trains without one, QA fine-tuning (finetune, task qa) keeps its index frozen. The
+  # config's corpus tells --prepare whether the user named theirs.
   repo_root=$(cd "$(dirname "$0")/.." && pwd)
   python=${PYTHON:-}
   if [[ -z "$python" ]]; then
     if [[ -x "$repo_root/.venv/bin/python" ]]; then python=$repo_root/.venv/bin/python; else python=python3; fi
   fi
-  needs=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
+  read_config=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
 import sys
 from realm_jax.config import ConfigError, load_config
 try:
@@ -86,17 +136,30 @@ try:
 except ConfigError as e:
     print(f"tpu/launch.sh: error: {e}", file=sys.stderr)
     sys.exit(2)
-print("refresh" if c.task == "realm" and c.refresh.mode == "external" else f"none {c.task}")' \
+print("refresh" if c.task == "realm" and c.refresh.mode == "external" else f"none {c.task}")
+print(c.data.get("corpus", ""))' \
     "$spec" "${overrides[@]}") || {
     (( $? != 2 )) || exit 2  # a bad config or override, named above
     die "cannot read the config $spec with $python (pass --no-refresh to start no refresher)"
   }
-  if [[ "$needs" != refresh ]]; then
+  needs=${read_config%%$'\n'*}
+  config_corpus=${read_config#*$'\n'}
+  if (( prepare )) && [[ -z "$corpus" && ( -z "$config_corpus" || "$config_corpus" == data/sample/* ) ]]; then
+    # One line, before anything starts: a pod must not silently prepare the bundled sample.
+    die "--prepare needs your corpus: add --config.data.corpus=gs://BUCKET/corpus.jsonl (the config's data.corpus is the bundled 408-passage sample ${config_corpus:-?}; name it explicitly to prepare that)"
+  fi
+  if (( refresh )) && [[ "$needs" != refresh ]]; then
+    (( ! slice )) || die "--refresh-slice: config task ${needs#none } reads no refreshed index"
     refresh=0
     echo "no refresher: config task ${needs#none } reads no refreshed index"
   fi
 fi
 logs="$REMOTE_DIR/logs/$run_name"
+here=$(cd "$(dirname "$0")" && pwd)
+slice_flag=''
+(( ! slice )) || slice_flag='--refresh-slice '
+dry=()
+(( ! dry_run )) || dry=(--dry-run)
 
 run() {
   if (( dry_run )); then printf '%q ' "$@"; echo; else "$@"; fi
@@ -105,6 +168,10 @@ on() {  # on WORKER COMMAND: run a bash command line on one worker (or all)
   run gcloud compute tpus tpu-vm ssh "$name" --zone="$zone" --worker="$1" --command="$2"
 }
 (( dry_run )) || command -v gcloud >/dev/null || die "gcloud not found (install the Google Cloud SDK)"
+refresh_slice() {  # refresh_slice start|stop: the refresh job on its own slice
+  bash "$here/refresh_slice.sh" "${dry[@]}" --run "$run_name" "$1" "$name" "$zone" "$workdir" \
+    "$spec" "${overrides[@]}"
+}
 
 stop_cmd() {  # stop_cmd GLOB: SIGTERM the processes whose pid files match GLOB (by pid)
   echo "for f in $logs/$1; do [ -f \"\$f\" ] || continue; p=\$(cat \"\$f\");
@@ -112,7 +179,7 @@ stop_cmd() {  # stop_cmd GLOB: SIGTERM the processes whose pid files match GLOB 
 }
 if (( stop )); then
   on all "$(stop_cmd 'train-w*.pid')"
-  on 0 "$(stop_cmd refresh.pid)"
+  if (( slice )); then refresh_slice stop; else on 0 "$(stop_cmd refresh.pid)"; fi
   exit 0
 fi
 
@@ -128,17 +195,65 @@ cli_args() {  # cli_args COMMAND [extra...]: the quoted realm_jax command line
 }
 
 if (( prepare )); then
-  echo "preparing data in $workdir on worker 0"
-  on 0 "cd $REMOTE_DIR && JAX_PLATFORMS=cpu $(cli_args prepare)"
+  extra=()
+  read -r -a extra <<< "${PREPARE_FLAGS:-}"
+  if [[ "$runner" == dataflow ]]; then
+    project=${DATAFLOW_PROJECT:-${CLOUDSDK_CORE_PROJECT:-}}
+    if [[ -z "$project" ]] && command -v gcloud >/dev/null; then
+      project=$(gcloud config get-value project 2>/dev/null || true)
+    fi
+    [[ -n "$project" ]] || die "--runner dataflow: set DATAFLOW_PROJECT (or gcloud config set project PROJECT)"
+    region=${DATAFLOW_REGION:-${zone%-*}}
+    temp=${DATAFLOW_TEMP_LOCATION:-$workdir/dataflow/tmp}
+    # The package and its requirements reach Dataflow's workers through these two files.
+    options="--project=$project --region=$region --temp_location=$temp \
+--staging_location=$workdir/dataflow/staging --setup_file=./pyproject.toml \
+--requirements_file=requirements.txt${DATAFLOW_OPTIONS:+ $DATAFLOW_OPTIONS}"
+    extra+=(--beam_runner=DataflowRunner "--beam_options=$options")
+  fi
+  prep="cd $REMOTE_DIR && mkdir -p $logs && export JAX_PLATFORMS=cpu &&"
+  if (( wait )); then
+    echo "preparing data in $workdir on worker 0 (foreground)"
+    on 0 "$prep $(cli_args prepare "${extra[@]}")"
+  else
+    # Detached: the ssh session ends at once, the job goes on (and its log on WORKDIR), so
+    # nothing waits on it while the pod bills; training is started once it has finished.
+    log_url=$workdir/logs/prepare.log
+    on 0 "$prep { setsid nohup bash tpu/run_logged.sh $logs/prepare.log $(printf '%q' "$log_url") -- \
+      $(cli_args prepare "${extra[@]}") > /dev/null 2>&1 < /dev/null &
+      echo \$! > $logs/prepare.pid; echo \"\$(hostname): prepare pid \$!, log $logs/prepare.log\"; }"
+    echo "preparing data in $workdir on worker 0, detached${runner:+ ($runner)}."
+    if [[ "$log_url" == gs://* ]]; then
+      echo "its log, copied every minute (last line: exit status N): gcloud storage cat $log_url"
+    else
+      echo "its log, copied every minute (last line: exit status N): $log_url"
+    fi
+    echo "follow it live: gcloud compute tpus tpu-vm ssh $name --zone=$zone --worker=0 \
+--command='tail -f $logs/prepare.log'"
+    echo "then train: tpu/launch.sh ${slice_flag}$name $zone $workdir $spec [the same overrides]"
+    exit 0
+  fi
 fi
 
 if (( refresh )); then
-  echo "starting the refresher on worker 0 (log $logs/refresh.log)"
-  on 0 "cd $REMOTE_DIR && mkdir -p $logs && JAX_PLATFORMS=$(printf '%q' "$REFRESH_PLATFORMS") \
-    setsid nohup $(cli_args refresh) > $logs/refresh.log 2>&1 < /dev/null &
-    echo \$! > $logs/refresh.pid; echo \"\$(hostname): refresh pid \$!\""
+  if (( slice )); then
+    refresh_slice start
+  else
+    echo "starting the refresher on worker 0 (log $logs/refresh.log)"
+    on 0 "cd $REMOTE_DIR && mkdir -p $logs && { JAX_PLATFORMS=$(printf '%q' "$REFRESH_PLATFORMS") \
+      setsid nohup $(cli_args refresh) > $logs/refresh.log 2>&1 < /dev/null &
+      echo \$! > $logs/refresh.pid; echo \"\$(hostname): refresh pid \$!\"; }"
+  fi
 fi
+stop_refresher() {
+  (( refresh )) || return 0
+  if (( slice )); then refresh_slice stop; else on 0 "$(stop_cmd refresh.pid)"; fi
+}
 
+# Each detached command is `setup && { cmd > log 2>&1 < /dev/null & echo $! > pid; }`: only the
+# command itself goes to the background, its output redirected, so that the ssh session ends at
+# once. (`setup && cmd > log &` backgrounds the whole list in a subshell that keeps the
+# session's stdout open until cmd ends, and runs W=... and mkdir there, not before `echo $!`.)
 train="cd $REMOTE_DIR && mkdir -p $logs && W=$WORKER_ID && log=$logs/train-w\$W.log"
 if (( wait )); then
   echo "training on all workers (foreground; logs $logs/train-w*.log)"
@@ -147,12 +262,12 @@ if (( wait )); then
     > \$log 2>&1 < /dev/null"
   rc=$?
   set -e
-  (( ! refresh )) || on 0 "$(stop_cmd refresh.pid)"
+  stop_refresher
   echo "training finished (exit status $rc)"
   exit "$rc"
 fi
-on all "$train && setsid nohup $(cli_args train --multihost) > \$log 2>&1 < /dev/null &
-  echo \$! > $logs/train-w\$W.pid; echo \"\$(hostname): train pid \$!, log \$log\""
+on all "$train && { setsid nohup $(cli_args train --multihost) > \$log 2>&1 < /dev/null &
+  echo \$! > $logs/train-w\$W.pid; echo \"\$(hostname): train pid \$!, log \$log\"; }"
 echo "launched run $run_name on $name. Watch: gcloud compute tpus tpu-vm ssh $name --zone=$zone \
 --worker=0 --command='tail -f $logs/train-w0.log'"
-echo "stop: tpu/launch.sh --stop --run $run_name $name $zone $workdir $spec"
+echo "stop: tpu/launch.sh --stop ${slice_flag}--run $run_name $name $zone $workdir $spec"

@@ -18,6 +18,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 die() { echo "tpu/setup.sh: error: $*" >&2; echo "run tpu/setup.sh --help for usage" >&2; exit 2; }
 
 JAX_TPU='jax[tpu]==0.10.2'  # keep in step with the jax pin in requirements.txt
+# shellcheck disable=SC2088  # expanded by the remote shell, on purpose
 REMOTE_DIR='~/realm-jax'      # expanded by the remote shell
 
 clone='' ref='' dry_run=0 pos=()

@@ -8,7 +8,9 @@
 #   CONFIG_FILE      config with a sweep() function, relative to the repo root, e.g.
 #                    configs/realm.py (validated against the small variant unless named)
 #   --config.k=v     extra overrides applied to every point (before the point's own)
-#   --prepare        prepare the data in each point's WORKDIR before training it
+#   --prepare        prepare the data in each point's WORKDIR before training it (in the
+#                    foreground: launch.sh --wait --prepare); needs --config.data.corpus=PATH
+#                    when the config's corpus is the bundled sample
 #   --dry-run        print the tpu/launch.sh command of every point instead of running them
 # The points come from `python -m realm_jax.sweep CONFIG_FILE[:VARIANT]` (run locally with this
 # repo's .venv or python3), which applies every point to the config first, so a misspelt key
@@ -26,7 +28,7 @@
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
-die() { echo "tpu/sweep.sh: error: $*" >&2; echo "run tpu/sweep.sh --help for usage" >&2; exit 2; }
+die() { echo "tpu/sweep.sh: error: $* (tpu/sweep.sh --help for usage)" >&2; exit 2; }
 
 dry_run=0 prepare=() pos=() extra=()
 while (( $# )); do
@@ -64,14 +66,20 @@ points=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" \
 [[ -n "$points" ]] || die "the sweep in $config has no points"
 variant_spec=$config
 [[ "$config" == *:* ]] || variant_spec="$config:small"  # realm_jax.sweep's default variant
-if (( ${#extra[@]} )); then  # the common overrides must apply too
-  (cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
+if (( ${#extra[@]} || ${#prepare[@]} )); then  # the common overrides must apply too
+  corpus=$(cd "$repo_root" && PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
 import sys
 from realm_jax.config import ConfigError, load_config
 try:
-    load_config(sys.argv[1], [o.removeprefix("--config.") for o in sys.argv[2:]])
+    c = load_config(sys.argv[1], [o.removeprefix("--config.") for o in sys.argv[2:]])
 except ConfigError as e:
-    sys.exit(f"tpu/sweep.sh: {e}")' "$variant_spec" "${extra[@]}") || die "bad --config override"
+    sys.exit(f"tpu/sweep.sh: {e}")
+print(c.data.get("corpus", ""))' "$variant_spec" "${extra[@]}") || die "bad --config override"
+  named=0
+  for o in "${extra[@]}"; do [[ "$o" != --config.data.corpus=* ]] || named=1; done
+  if (( ${#prepare[@]} && ! named )) && [[ -z "$corpus" || "$corpus" == data/sample/* ]]; then
+    die "--prepare needs your corpus: add --config.data.corpus=gs://BUCKET/corpus.jsonl (the config's is the bundled 408-passage sample)"
+  fi
 fi
 
 n=$(wc -l <<< "$points") i=0 failed=()
@@ -87,7 +95,7 @@ while IFS=$'\t' read -r point overrides_line; do
   fi
   echo "=== sweep point $i/$n: $point"
   seen=0  # 0: DONE exists, 3: it does not, else an error (realm_jax/sweep/markers.py)
-  marker done "$workdir" || seen=$?
+  marker "done" "$workdir" || seen=$?
   if (( seen == 0 )); then
     echo "skipping $point: $workdir/DONE exists"
     continue

@@ -9,6 +9,12 @@ Metrics (averaged over the held-out examples of prepare's eval split, masks fixe
   same_title_fraction  retrieved blocks that share the query's title (the own block is
                        never retrieved, so these are real same-article hits) ...
   same_title_random    ... and the same fraction for blocks drawn uniformly at random
+  same_title_prior     p(z|x) mass on retrieved blocks of the query's article ...
+  same_title_posterior ... and p(z|x, y) mass (z's prior times how well the reader fills the
+                       masks given z, renormalised over the K candidates). REALM's gradient
+                       on the retriever's scores is p(z|x, y) - p(z|x): posterior above
+                       prior means it pulls the retriever towards the article's blocks, and
+                       the gap is how hard (0: the reader gives the retriever no signal)
 """
 
 from __future__ import annotations
@@ -65,7 +71,24 @@ def eval_metrics(
     null_right = (jnp.argmax(null_logits, -1) == targets).astype(jnp.float32) * weights
     metrics["null_only_accuracy"] = null_right.sum() / jnp.maximum(weights.sum(), 1.0)
     metrics["retrieved_ids"] = ids
+    log_prior = jax.nn.log_softmax(relevance.astype(jnp.float32), -1)  # [B, K]
+    log_post = log_prior + _candidate_log_likelihood(features, table, bias, targets, weights)
+    metrics["prior"] = jnp.exp(log_prior)
+    metrics["posterior"] = jax.nn.softmax(log_post, -1)
     return metrics
+
+
+def _candidate_log_likelihood(features, table, bias, targets, weights):
+    """log p(y | x, z) per candidate [B, K]: the masked targets' log-probabilities summed, one
+    candidate at a time (never [B, K, P, V] at once)."""
+
+    def one(f):  # [B, P, H]
+        logits = (jnp.einsum("bph,vh->bpv", f, table) + bias).astype(jnp.float32)
+        lp = jax.nn.log_softmax(logits, -1)
+        hit = jnp.take_along_axis(lp, targets[..., None], -1)[..., 0]  # [B, P]
+        return (hit * weights).sum(-1)  # [B]
+
+    return jax.lax.map(one, jnp.moveaxis(features, 1, 0)).T
 
 
 def compile_eval(config, mesh, model, num_valid: int):
@@ -98,7 +121,7 @@ class RealmEvaluator:
 
     def __call__(self, state, step: int) -> dict[str, float]:
         sums = collections.Counter()
-        same = rand = n_q = 0.0
+        same = rand = n_q = prior_same = post_same = 0.0
         for local in self.batches:
             batch = sharding.global_batch(local, self.mesh)
             m = sharding.to_host(self.fn(state.params, batch, self.feed.emb, self.feed.tokens))
@@ -114,7 +137,11 @@ class RealmEvaluator:
                 own = np.asarray(multihost_utils.process_allgather(own, tiled=True))
             ids = np.asarray(m["retrieved_ids"])
             ok = own >= 0
-            same += (self.titles[ids[ok]] == self.titles[own[ok]][:, None]).mean(1).sum()
+            hits = self.titles[ids[ok]] == self.titles[own[ok]][:, None]  # [b, K-1]
+            same += hits.mean(1).sum()
+            # candidate 0 is the null document: never of the article
+            prior_same += (np.asarray(m["prior"])[ok][:, 1:] * hits).sum()
+            post_same += (np.asarray(m["posterior"])[ok][:, 1:] * hits).sum()
             n = len(self.titles)
             rand += ((self.title_count[own[ok]] - 1) / max(n - 1, 1)).sum()
             n_q += ok.sum()
@@ -122,6 +149,8 @@ class RealmEvaluator:
         out.update({k: sums[k] / max(sums["queries"], 1.0) for k in PER_QUERY})
         out["same_title_fraction"] = same / max(n_q, 1.0)
         out["same_title_random"] = rand / max(n_q, 1.0)
+        out["same_title_prior"] = prior_same / max(n_q, 1.0)
+        out["same_title_posterior"] = post_same / max(n_q, 1.0)
         out["examples"] = sums["queries"]
         out["index_step"] = self.feed.step
         return out
