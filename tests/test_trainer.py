@@ -611,10 +611,13 @@ def test_first_index_wait_follows_the_refresh_jobs_progress(data_dir, tmp_path, 
     os.makedirs(idir)
     stop = threading.Event()
 
-    def refresh_job():  # reports for 4 s (past wait_seconds), then publishes
+    def refresh_job():  # loads its corpus, reports for 4 s (past wait_seconds), publishes
         since = time.time()
         for j in range(8):
-            store.write_progress(idir, checkpoint=0, phase="embed", done=j, of=8, since=since)
+            if j < 2:  # as `realm-jax refresh` reports before it has a checkpoint
+                store.write_progress(idir, checkpoint=None, phase="loading the corpus")
+            else:
+                store.write_progress(idir, checkpoint=0, phase="embed", done=j, of=8, since=since)
             if stop.wait(0.5):
                 return
         store.publish_index(idir, 0, np.ones((len(tokens), cfg.model.proj_size), np.float32))
@@ -629,4 +632,5 @@ def test_first_index_wait_follows_the_refresh_jobs_progress(data_dir, tmp_path, 
         stop.set()
         job.join()
     assert feed.step == 0 and time.time() - t0 > 4
+    assert "the refresh job is loading the corpus" in caplog.text
     assert "the refresh job is at checkpoint 0, embed part" in caplog.text

@@ -362,6 +362,8 @@ def _said(progress: dict | None) -> str:
     if progress is None:
         return "no refresh job has reported yet"
     p, now = progress, time.time()
+    if p.get("checkpoint") is None:  # started, not at a checkpoint yet
+        return f"the refresh job is {p.get('phase')}, last heard {now - p['updated']:.0f}s ago"
     words = f"the refresh job is at checkpoint {p.get('checkpoint')}, {p.get('phase')}"
     done, of = p.get("done", 0), p.get("of", 1)
     if p.get("phase") == "embed" and of > 1:

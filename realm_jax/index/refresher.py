@@ -236,6 +236,12 @@ def command(config, args) -> int:
     stop_on_signals(stop)
     with workdir_lock(args.workdir, "refresher", enabled=jax.process_index() == 0):
         runtime.barrier("refresher-lock", LEASE_SECONDS + 60)  # after process 0 holds it
+        if jax.process_index() == 0:  # a trainer waiting for its first index sees the job
+            # alive while it loads the corpus (minutes at 13M blocks on a fresh slice)
+            store.write_progress(
+                paths.index_dir(args.workdir), checkpoint=None, phase="loading the corpus",
+                since=time.time(),
+            )  # fmt: skip
         tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
         Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
     return 0
