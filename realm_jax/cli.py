@@ -23,7 +23,7 @@ COMMANDS = {
     "ask": "answer a question (QA workdir) or show its top blocks (pre-training workdir)",
     "sweep": "run a config file's sweep() point by point (or on a TPU VM) and table it",
     "plan": "compile the config's programs for a TPU slice ahead of time: does it fit?",
-    "import": "a HuggingFace BERT/REALM folder -> a workdir (checkpoint 0, block_emb index)",
+    "import": "HF REALM folders or the release's TF checkpoints -> a workdir (+ block_emb index)",
     "export": "a workdir's checkpoint -> HuggingFace REALM folders (safetensors)",
 }
 
@@ -248,9 +248,19 @@ def _hf_arguments(s: argparse.ArgumentParser, name: str) -> None:
         s.add_argument(
             "--source",
             required=True,
-            help="HuggingFace folder (config.json + model.safetensors or pytorch_model.bin; "
-            "local or gs://): BertModel, BertForMaskedLM, RealmEmbedder, RealmScorer, "
-            "RealmKnowledgeAugEncoder, RealmReader or RealmForOpenQA; checked against --config",
+            action="append",
+            help="HuggingFace folder (config.json + model.safetensors or pytorch_model.bin): "
+            "BertModel, BertForMaskedLM, RealmEmbedder, RealmScorer, RealmKnowledgeAugEncoder, "
+            "RealmReader or RealmForOpenQA; or the REALM/ORQA release's TF checkpoint or TF-Hub "
+            "module (cc_news_pretrained/embedder or bert, orqa_nq_model_from_realm); local or "
+            "gs://; checked against --config. Repeat to combine (embedder + bert)",
+        )
+        s.add_argument(
+            "--block_emb",
+            default="",
+            help="the release's block embeddings (encoded/encoded.ckpt, or the embedder module "
+            "holding encoded/), published AS IS as the index: row i = block i of blocks.tfr "
+            "(prepare it with --config.data.corpus=.../blocks.tfr)",
         )
     else:
         s.add_argument("--out", required=True, help="a new local folder for the HF folders")

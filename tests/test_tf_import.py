@@ -356,7 +356,7 @@ def test_config_block_emb_and_split(caplog):
     assert rc.hf_config(kind, state, num_heads=2)["span_hidden_size"] == SPAN
     emb, reader = rc.split_open_qa(state)
     assert set(emb) == set(_embedder_names("")) and set(reader) == set(_reader_names(""))
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("DEBUG", logger="realm_jax.model.release_checkpoint"):
         rc.read_release_checkpoint(os.path.join(FIX, "bert"))
     assert "cls/seq_relationship/output_weights" in caplog.text
 
@@ -389,3 +389,70 @@ def test_gs_paths(tmp_path_factory):
         assert pairs == list(block_records.read_release_blocks(os.path.join(FIX, "blocks.tfr")))
         npy = block_records.load_npy_strings(root + "/block_records.npy")
         assert [x.decode() for x in npy] == [t for _, t in pairs]
+
+
+# ------------------------------------------------------------------------------ the writer
+@pytest.mark.parametrize("name", ["embedder", "bert", "orqa", "block_emb"])
+def test_writer_reproduces_tensorflows_bytes(tmp_path, name):
+    """write_checkpoint of the values TensorFlow read back gives TensorFlow's own files, byte
+    for byte (index table, entries, crc32c, data layout)."""
+    meta, ref = _reference(name)
+    prefix = tc.resolve_prefix(os.path.join(FIX, CHECKPOINTS[name]))
+    values = {n: ref[n] for n in meta}
+    out = tc.write_checkpoint(str(tmp_path / "sub" / "model.ckpt"), values)
+    for suffix in (".index", ".data-00000-of-00001"):
+        with open(prefix + suffix, "rb") as a, open(out + suffix, "rb") as b:
+            assert a.read() == b.read(), suffix
+
+
+def test_writer_large_tables_and_dtypes(tmp_path):
+    """An index past one table block (TensorFlow's 256 KiB), and every numeric dtype."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    values = {
+        f"scope_{i % 7}/layer_{i}/{'x' * (i % 50)}/kernel": rng.normal(size=(i % 3 + 1,)).astype(
+            np.float32
+        )
+        for i in range(6000)
+    }
+    values.update(
+        {
+            "d/bf16": rng.normal(size=(3, 2)).astype(ml_dtypes.bfloat16),
+            "d/f16": rng.normal(size=(4,)).astype(np.float16),
+            "d/i64": np.int64(-5),
+            "d/bool": np.array([True, False]),
+            "d/empty": np.zeros((0, 3), np.float32),
+        }
+    )
+    prefix = tc.write_checkpoint(str(tmp_path / "big"), values)
+    assert os.path.getsize(prefix + ".index") > tc.TABLE_BLOCK_SIZE
+    ckpt = tc.TFCheckpoint(prefix)
+    assert ckpt.names() == sorted(values)
+    for name, want in values.items():
+        got = ckpt.read(name)
+        assert got.dtype == np.asarray(want).dtype and got.shape == np.shape(want), name
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="numeric tensors only"):
+        tc.write_checkpoint(str(tmp_path / "s"), {"s": np.array([b"a"], dtype=object)})
+
+
+def test_run_params_vocab_and_config_fields(tmp_path):
+    run = rc.run_params(os.path.join(FIX, "orqa"))
+    assert run["retriever_module_path"] == "gs://realm-data/cc_news_pretrained/embedder"
+    assert rc.run_params(os.path.join(FIX, "bert")) == {}
+    kind, state, _ = rc.read_release_checkpoint(os.path.join(FIX, "orqa"), with_block_emb=False)
+    cfg = rc.hf_config(kind, state, fallback_heads=4, run=run)
+    assert cfg["num_attention_heads"] == 4 and cfg["max_span_width"] == 10
+    assert (
+        cfg["reader_seq_len"] == 64
+        and rc.hf_config(kind, state, num_heads=2)["num_attention_heads"] == 2
+    )
+    assert rc.module_vocab(os.path.join(FIX, "embedder")) is None
+    folder = _copy(tmp_path, "embedder")
+    (folder / "assets").mkdir()
+    (folder / "assets" / "vocab.txt").write_text("[PAD]\n")
+    assert rc.module_vocab(str(folder)) == str(folder / "assets" / "vocab.txt")
+    (folder / "params.json").write_text("[1, 2]")
+    with pytest.raises(rc.ReleaseCheckpointError, match="not ORQA's run parameters"):
+        rc.run_params(str(folder))

@@ -25,14 +25,16 @@ maps them, and language/orqa/models/{ict,orqa}_model.py make them):
       reader/module/bert/..., reader/module/cls/predictions/...   -> reader.realm.*, reader.cls.*
       reader/dense ([H, 2*span_hidden]: the start and end projections), reader/dense_1
           ([span_hidden, 1]), reader/layer_normalization        -> reader.qa_outputs.*
-    (its block_emb is the retriever module's encoded/encoded.ckpt: pass block_emb_path)
+    (its block_emb is the retriever module's encoded/encoded.ckpt: pass block_emb_path;
+    the model_dir's params.json, run_params, names that module and the span width)
 The nesting depth of `module/` is found from the names, not assumed. Optimizer slots
 (adam_m/adam_v), global_step and heads HF's REALM lacks (cls/seq_relationship) are dropped
-and logged.
+(the heads logged, at DEBUG: -v shows them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Iterable
@@ -177,7 +179,7 @@ def read_release_checkpoint(
         )
     kind, mapping, skipped = map_release_names(ckpt.entries)
     if skipped:
-        log.warning("%s: variables without a HF REALM counterpart, left out: %s", path, skipped)
+        log.debug("%s: variables without a HF REALM counterpart, left out: %s", path, skipped)
     state = {}
     for tf_name, (hf_name, transpose) in mapping.items():
         value = ckpt.read(tf_name)
@@ -206,19 +208,29 @@ def split_open_qa(state: dict[str, np.ndarray]) -> tuple[dict, dict]:
 
 
 def hf_config(
-    kind: str, state: dict[str, np.ndarray], *, num_heads: int | None = None, num_blocks=None
+    kind: str,
+    state: dict[str, np.ndarray],
+    *,
+    num_heads: int | None = None,
+    num_blocks=None,
+    fallback_heads: int | None = None,
+    run: dict | None = None,
 ) -> dict:
     """A transformers RealmConfig-style dict (config.json fields) for a mapped state dict:
     sizes from the tensors; what no tensor shows is the release's (BERT's tanh-approximated
     GELU, "gelu_new"; LayerNorm eps 1e-12, the span head's 1e-3; heads of 64 dimensions
-    unless num_heads says otherwise)."""
+    unless num_heads says otherwise; fallback_heads where the width is no multiple of 64).
+    `run`: an ORQA run's params.json (run_params) adds the span head's max_span_width and
+    the reader's input length it was trained with."""
     p = {"RealmForOpenQA": "reader."}.get(kind, "")
     word = state[f"{p}realm.embeddings.word_embeddings.weight"]
     hidden = int(word.shape[1])
-    if num_heads is None:
-        if hidden % 64:
-            raise ValueError(f"hidden size {hidden} is not a multiple of 64: give num_heads")
+    if num_heads is None and hidden % 64 == 0:
         num_heads = hidden // 64
+    elif num_heads is None:
+        if not fallback_heads:
+            raise ValueError(f"hidden size {hidden} is not a multiple of 64: give num_heads")
+        num_heads = fallback_heads
     layers = {
         int(m.group(1)) for n in state if (m := re.match(rf"{p}realm\.encoder\.layer\.(\d+)\.", n))
     }
@@ -248,4 +260,31 @@ def hf_config(
         out["span_hidden_size"] = int(state[span].shape[1])
     if num_blocks is not None:
         out["num_block_records"] = int(num_blocks)
+    for key in ("max_span_width", "reader_seq_len"):
+        if key in (run or {}):
+            out[key] = int(run[key])
     return out
+
+
+RUN_PARAMS = "params.json"  # ORQA's model_dir/params.json: the run's flags
+
+
+def run_params(path: str) -> dict:
+    """The ORQA run parameters (params.json: retriever_module_path, num_block_records,
+    max_span_width, reader_seq_len, ...) of a model_dir, or {} when `path` has none."""
+    if not fs.isdir(path) or not fs.isfile(fs.join(path, RUN_PARAMS)):
+        return {}
+    where = fs.join(path, RUN_PARAMS)
+    try:
+        out = json.loads(fs.read_text(where))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ReleaseCheckpointError(f"{where}: not JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ReleaseCheckpointError(f"{where}: not ORQA's run parameters")
+    return out
+
+
+def module_vocab(path: str) -> str | None:
+    """The vocabulary a TF-Hub module folder ships (assets/vocab.txt), if any."""
+    cand = fs.join(path, "assets", "vocab.txt")
+    return cand if fs.isdir(path) and fs.isfile(cand) else None

@@ -418,3 +418,129 @@ def list_variables(path: str) -> list[tuple[str, list[int]]]:
 def load_checkpoint(path: str, names=None, *, verify: bool = True) -> dict[str, np.ndarray]:
     """{name: array} of every variable (or of `names`) in a checkpoint."""
     return TFCheckpoint(path).read_all(names, verify=verify)
+
+
+# ------------------------------------------------------------------------------------ writing
+TABLE_BLOCK_SIZE = 262144  # TensorFlow's table::Options defaults (tensor bundles keep them)
+RESTART_INTERVAL = 16
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field(number: int, wire: int, payload: bytes | int) -> bytes:
+    key = _put_varint(number << 3 | wire)
+    if wire == 0:
+        return key + _put_varint(payload)
+    if wire == 5:
+        return key + payload.to_bytes(4, "little")
+    return key + _put_varint(len(payload)) + payload
+
+
+class _BlockBuilder:
+    """One LevelDB table block: prefix-compressed keys, restart points every `interval`."""
+
+    def __init__(self, interval: int):
+        self.interval, self.buf, self.restarts, self.count, self.last = interval, b"", [0], 0, b""
+
+    def add(self, key: bytes, value: bytes) -> None:
+        shared = 0
+        if self.count < self.interval:
+            while shared < min(len(key), len(self.last)) and key[shared] == self.last[shared]:
+                shared += 1
+        else:
+            self.restarts.append(len(self.buf))
+            self.count = 0
+        self.buf += _put_varint(shared) + _put_varint(len(key) - shared)
+        self.buf += _put_varint(len(value)) + key[shared:] + value
+        self.last, self.count = key, self.count + 1
+
+    def size(self) -> int:
+        return len(self.buf) + 4 * len(self.restarts) + 4
+
+    def finish(self) -> bytes:
+        tail = b"".join(r.to_bytes(4, "little") for r in self.restarts)
+        return self.buf + tail + len(self.restarts).to_bytes(4, "little")
+
+
+def _separator(start: bytes, limit: bytes | None) -> bytes:
+    """LevelDB's bytewise FindShortestSeparator (limit given) / FindShortSuccessor (None)."""
+    if limit is None:
+        for i, b in enumerate(start):
+            if b != 0xFF:
+                return start[:i] + bytes([b + 1])
+        return start
+    n = 0
+    while n < min(len(start), len(limit)) and start[n] == limit[n]:
+        n += 1
+    if n < min(len(start), len(limit)) and start[n] < 0xFF and start[n] + 1 < limit[n]:
+        return start[:n] + bytes([start[n] + 1])
+    return start
+
+
+def write_table(items: list[tuple[bytes, bytes]]) -> bytes:
+    """A LevelDB-format table (uncompressed) of (key, value) pairs given in key order."""
+    out, index = bytearray(), _BlockBuilder(1)
+    block, pending, last = _BlockBuilder(RESTART_INTERVAL), None, b""
+
+    def write(b: _BlockBuilder) -> bytes:
+        contents = b.finish() + b"\x00"  # compression type: none
+        handle = _put_varint(len(out)) + _put_varint(len(contents) - 1)
+        out.extend(contents + mask_crc(crc32c(contents)).to_bytes(4, "little"))
+        return handle
+
+    for key, value in items:
+        if pending is not None:
+            index.add(_separator(last, key), pending)
+            pending = None
+        block.add(key, value)
+        last = key
+        if block.size() >= TABLE_BLOCK_SIZE:
+            pending, block = write(block), _BlockBuilder(RESTART_INTERVAL)
+    if block.count:
+        pending = write(block)
+    meta = write(_BlockBuilder(RESTART_INTERVAL))
+    if pending is not None:
+        index.add(_separator(last, None), pending)
+    handles = meta + write(index)
+    out.extend(handles + b"\x00" * (FOOTER_LEN - 8 - len(handles)))
+    out.extend(TABLE_MAGIC.to_bytes(8, "little"))
+    return bytes(out)
+
+
+def write_checkpoint(prefix: str, tensors: dict[str, np.ndarray]) -> str:
+    """Write numeric tensors as a one-shard V2 checkpoint (`prefix`.index + .data-00000-of-
+    00001), laid out as TensorFlow's Saver lays them out (names sorted, tensors packed in
+    that order): for tests and small checkpoints in the release's format (everything is
+    built in memory). Returns the prefix."""
+    codes = {v: k for k, v in DTYPES.items()}
+    data, items = bytearray(), [(b"", _field(1, 0, 1) + _field(3, 2, _field(1, 0, 1)))]
+    for name in sorted(tensors):
+        arr = np.asarray(tensors[name], order="C")  # (ascontiguousarray makes scalars 1-D)
+        if arr.dtype.name == "bfloat16":
+            code = DT_BFLOAT16
+        elif arr.dtype.newbyteorder("<") in codes:
+            code, arr = codes[arr.dtype.newbyteorder("<")], arr.astype(arr.dtype.newbyteorder("<"))
+        else:
+            raise ValueError(f"{name}: dtype {arr.dtype} is not written (numeric tensors only)")
+        raw = arr.tobytes()
+        shape = b"".join(_field(2, 2, _field(1, 0, d) if d else b"") for d in arr.shape)
+        entry = _field(1, 0, code) + _field(2, 2, shape)
+        entry += _field(4, 0, len(data)) if data else b""
+        entry += _field(5, 0, len(raw)) if raw else b""
+        entry += _field(6, 5, mask_crc(crc32c(raw)))
+        items.append((name.encode("utf-8"), entry))
+        data.extend(raw)
+    fs.makedirs(fs.dirname(prefix) or ".")
+    fs.write_bytes(f"{prefix}.data-00000-of-00001", bytes(data))
+    fs.write_bytes(prefix + ".index", write_table(items))
+    return prefix
