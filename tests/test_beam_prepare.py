@@ -132,6 +132,11 @@ def test_engine_choice(tmp_path):
     assert P.choose_engine(cfg.data) == "local"  # 408 lines: under data.beam_min_passages
     cfg.data.beam_min_passages = 400
     assert P.choose_engine(cfg.data) == "beam"
+    cfg.data.sentences = SAMPLE  # a separate text: its lines count too, and Beam takes it
+    cfg.data.beam_min_passages = 800
+    assert P.choose_engine(cfg.data) == "beam"
+    cfg.data.sentences = ""
+    assert P.choose_engine(cfg.data) == "local"
     cfg.data.beam_min_passages = 50_000
     assert P.choose_engine(cfg.data, "DataflowRunner") == "beam"
     cfg.data.corpus = str(tmp_path)  # a folder of .txt files is read in process
@@ -152,6 +157,15 @@ def test_engine_choice(tmp_path):
     with pytest.raises(prepared.PrepareError, match="so the data_dir .* must be a gs:// path"):
         B.check_runner(cfg.data, "DataflowRunner", str(tmp_path / "d"))
     B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
+    cfg.data.sentences = SAMPLE  # Dataflow's workers read the separate text too
+    with pytest.raises(prepared.PrepareError, match=r"data.sentences \(.*\) must be a gs://"):
+        B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
+    cfg.data.sentences = "gs://bucket/text.txt.gz"
+    B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
+    assert not B.supported(cfg.data)
+    cfg.data.sentences = str(tmp_path)  # a folder of .txt: in process
+    assert "data.sentences=" in B.supported(cfg.data)
+    cfg.data.sentences = ""
     B.check_runner(_config(SAMPLE).data, "FnApiRunner", str(tmp_path / "d"))  # local: anything
     assert not os.path.exists(tmp_path / "e")  # refused before anything was made
 
@@ -171,3 +185,191 @@ def test_duplicate_check_compares_ids_where_hashes_collide(tmp_path, monkeypatch
     with open(SAMPLE) as f:
         docs = [json.loads(line) for _, line in zip(range(4), f, strict=False)]
     assert chunk > 0 and doc_id == docs[3]["id"]  # _dirty_corpus repeats docs[3]'s id later
+
+
+# ------------------------------------------------------- a separate pre-training text, .gz
+# The paper's setup: examples from a separate text (CC-News), blocks from the knowledge corpus
+# (Wikipedia). Here: 80 sample passages as the corpus, 100 others as the text.
+TEXT_BEAM = ("data.beam_chunk_kb=8", "data.beam_window_kb=16", "data.beam_shard_records=100")
+
+
+def _sample_docs():
+    with open(SAMPLE) as f:
+        return [json.loads(line) for line in f]
+
+
+def _corpus_and_text(folder, text_lines=None) -> tuple[str, str]:
+    """corpus.jsonl (80 sample passages) and text.jsonl (100 others, without ids: "text:<line>"
+    ids), or the text lines given."""
+    os.makedirs(folder, exist_ok=True)
+    docs = _sample_docs()
+    corpus_path, text_path = (
+        os.path.join(folder, "corpus.jsonl"),
+        os.path.join(folder, "text.jsonl"),
+    )
+    with open(corpus_path, "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs[:80])
+    if text_lines is None:
+        text_lines = [json.dumps({"title": d["title"], "text": d["text"]}) for d in docs[200:300]]
+    with open(text_path, "w") as f:
+        f.writelines(line + "\n" for line in text_lines)
+    return corpus_path, text_path
+
+
+def test_beam_with_a_separate_text_matches_in_process(tmp_path):
+    """data.sentences on Beam: blocks from the corpus (4 windows), examples from the text (5
+    windows of 8 KB chunks), salient masking (spaCy NER); the text carries a malformed line and
+    a duplicate id in a later window, skipped and counted as sentences_skipped_*. Record for
+    record the in-process datasets, summary counts and fingerprint; without skip_bad_input
+    both engines stop with the same error naming the text's file and line."""
+    docs = _sample_docs()
+    text = [json.dumps({"title": d["title"], "text": d["text"]}) for d in docs[200:300]]
+    text.insert(10, '{"title": "Broken", ')
+    text[70] = json.dumps({"id": "text:5", "title": "Dup", "text": docs[5]["text"]})
+    corpus_path, text_path = _corpus_and_text(tmp_path, text)
+    errors = []
+    for engine in ("local", "beam"):
+        cfg = _config(corpus_path, f"data.sentences={text_path}", *TEXT_BEAM)
+        with pytest.raises(corpus.CorpusError) as e:
+            _prepare(cfg, str(tmp_path / f"e-{engine}"), engine)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and f"{text_path}:11: malformed JSON" in errors[0]
+    over = (f"data.sentences={text_path}", "data.skip_bad_input=true", *TEXT_BEAM)
+    for engine in ("local", "beam"):
+        s = _prepare(_config(corpus_path, *over), str(tmp_path / engine), engine)
+        c = s["counts"]
+        assert (c["sentences_skipped_bad_json"], c["sentences_skipped_duplicate_id"]) == (1, 1)
+        assert (c["documents"], c["sentences_documents"]) == (80, 99)
+    assert s["masking"] == "salient" and s["sentences_source"] == text_path
+    _assert_same(str(tmp_path / "local"), str(tmp_path / "beam"))
+    got = _records(str(tmp_path / "beam"))
+    examples = got["examples"] + got["eval_examples"]
+    assert {int(r["block_id"]) for r in examples} == {-1}  # from the text, not from blocks
+    assert {_text(r["doc_id"]).split(":")[0] for r in examples} == {"text"}  # its default ids
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _gz_copy(path: str, dest: str, members: int = 2) -> str:
+    """`path` gzip-compressed into `dest` (concatenated gzip members)."""
+    import gzip
+
+    with open(path, "rb") as f:
+        data = f.read()
+    cut = [len(data) * i // members for i in range(members + 1)]
+    with open(dest, "wb") as g:
+        for a, b in zip(cut, cut[1:], strict=False):
+            g.write(gzip.compress(data[a:b]))
+    return dest
+
+
+def _assert_same_records(want_dir, got_dir):
+    """The datasets and counts of two prepares of different files (fingerprints differ)."""
+    a, b = _records(want_dir), _records(got_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert len(a[name]) == len(b[name]) > 0, name
+        for i, (x, y) in enumerate(zip(a[name], b[name], strict=True)):
+            for field in x:
+                same = np.array_equal(np.asarray(x[field]), np.asarray(y[field]))
+                assert same, f"{name}[{i}].{field}: {x[field]!r} != {y[field]!r}"
+    counts = [prepared.load_summary(d)["counts"] for d in (want_dir, got_dir)]
+    assert counts[0] == counts[1]
+
+
+def test_gz_inputs_equal_their_uncompressed_twins(tmp_path):
+    """A .jsonl.gz corpus and a .txt.gz text (title<TAB>text lines, default ids) give, in
+    process and on Beam (staged, then chunked), the records of their uncompressed twins."""
+    corpus_path, _ = _corpus_and_text(tmp_path)
+    txt = str(tmp_path / "text.txt")
+    with open(txt, "w") as f:
+        for d in _sample_docs()[200:260]:
+            f.write(f"{d['title']}\t{d['text']}\n")
+    gz_corpus = _gz_copy(corpus_path, corpus_path + ".gz")
+    gz_text = _gz_copy(txt, txt + ".gz", members=3)
+    plain = ("data.masking=random", f"data.sentences={txt}", *TEXT_BEAM)
+    _prepare(_config(corpus_path, *plain), str(tmp_path / "plain"), "local")
+    gz = ("data.masking=random", f"data.sentences={gz_text}", *TEXT_BEAM)
+    for engine in ("local", "beam"):
+        s = _prepare(_config(gz_corpus, *gz), str(tmp_path / engine), engine)
+        assert s["engine"] == engine
+        _assert_same_records(str(tmp_path / "plain"), str(tmp_path / engine))
+    got = _records(str(tmp_path / "beam"))
+    ids = {_text(r["doc_id"]) for r in got["examples"] + got.get("eval_examples", [])}
+    assert "text:1" in ids and len(ids) > 50  # default ids: the stem without .txt.gz
+
+
+def test_gz_errors_name_the_file_and_line_in_both_engines(tmp_path):
+    """A bad JSON line inside a corpus .gz, and a truncated text .gz: the same one-line error
+    (file, line) from both engines, before any output; with skip_bad_input the lines before
+    the cut are kept and the rest counted once (sentences_skipped_unreadable), alike."""
+    import gzip
+
+    docs = _sample_docs()
+    lines = [json.dumps(d) for d in docs[:30]]
+    lines.insert(6, '{"title": "Broken", "text": ')
+    bad = str(tmp_path / "bad.jsonl.gz")
+    with open(bad, "wb") as f:
+        f.write(gzip.compress(("\n".join(lines) + "\n").encode()))
+    corpus_path, text_path = _corpus_and_text(tmp_path / "in")
+    with open(text_path, "rb") as f:
+        whole = gzip.compress(f.read())
+    cut = str(tmp_path / "cut.jsonl.gz")
+    with open(cut, "wb") as f:
+        f.write(whole[: len(whole) * 2 // 3])
+    cases = [(bad, ()), (corpus_path, (f"data.sentences={cut}",))]
+    for src, over in cases:
+        errors = []
+        for engine in ("local", "beam"):
+            with pytest.raises(corpus.CorpusError) as e:
+                _prepare(_config(src, *over, *TEXT_BEAM), str(tmp_path / f"e-{engine}"), engine)
+            errors.append(str(e.value))
+            assert not os.path.exists(tmp_path / f"e-{engine}" / "blocks")
+        assert errors[0] == errors[1] and "\n" not in errors[0]
+    assert errors[0].startswith(f"{cut}:") and "truncated or corrupt gzip data" in errors[0]
+    n = int(errors[0].split(":")[1])
+    assert 20 < n < 100  # the line the data stops in: about 2/3 through the 100 lines
+    over = ("data.masking=random", f"data.sentences={cut}", "data.skip_bad_input=true")
+    for engine in ("local", "beam"):
+        s = _prepare(_config(corpus_path, *over, *TEXT_BEAM), str(tmp_path / engine), engine)
+        c = s["counts"]
+        assert (c["sentences_skipped_unreadable"], c["sentences_documents"]) == (1, n - 1)
+    _assert_same(str(tmp_path / "local"), str(tmp_path / "beam"))
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """A local GCS (tests/fake_gcs.py) for the gs:// input test; skipped without it."""
+    from tests import fake_gcs
+
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # as tests/test_gcs.py
+    with fake_gcs.module_server(tmp_path_factory, "realm-gz") as server:
+        yield server
+
+
+def test_gz_inputs_on_gcs(gcs, tmp_path):
+    """gs:// .gz inputs (corpus and text): streamed through gzip from realm_jax.fs in process,
+    and staged by Beam's own gs:// file system (a worker's read on Dataflow); the records
+    equal those of the local uncompressed files."""
+    corpus_path, text_path = _corpus_and_text(tmp_path)
+    remote = {}
+    for path in (corpus_path, text_path):
+        name = os.path.basename(path) + ".gz"
+        local_gz = _gz_copy(path, str(tmp_path / name))
+        remote[path] = f"gs://realm-gz/inputs/{name}"
+        with open(local_gz, "rb") as f:
+            fs.write_bytes(remote[path], f.read())
+    over = ("data.masking=random", *TEXT_BEAM)
+    want = str(tmp_path / "plain")
+    _prepare(_config(corpus_path, f"data.sentences={text_path}", *over), want, "local")
+    cfg = _config(remote[corpus_path], f"data.sentences={remote[text_path]}", *over)
+    assert P.choose_engine(cfg.data) == "beam"  # gs:// inputs: Beam unless told otherwise
+    for engine in ("local", "beam"):
+        got = str(tmp_path / engine)
+        s = _prepare(
+            _config(remote[corpus_path], f"data.sentences={remote[text_path]}", *over), got, engine
+        )
+        assert s["corpus"] == remote[corpus_path]
+        _assert_same_records(want, got)

@@ -90,6 +90,77 @@ def test_unreadable_file_and_tsv_columns(tmp_path):
         list(corpus.read_documents(tsv))
 
 
+# ------------------------------------------------------------------------------- .gz inputs
+def _gz(path, data: bytes, members: int = 1) -> str:
+    """`data` gzip-compressed into `path`, as `members` concatenated gzip members."""
+    import gzip
+
+    cut = [len(data) * i // members for i in range(members + 1)]
+    with open(path, "wb") as f:
+        for a, b in zip(cut, cut[1:], strict=False):
+            f.write(gzip.compress(data[a:b]))
+    return str(path)
+
+
+def test_gz_inputs_read_as_their_uncompressed_twins(tmp_path):
+    """.jsonl.gz and .txt.gz (the .txt line format: title<TAB>text, or with an id) give the
+    documents of their twins, default ids included ("<stem>:<line>" without .gz), also from
+    concatenated gzip members; line counts (the engine choice, progress) see through .gz."""
+    with open(SAMPLE, "rb") as f:
+        head = b"".join(line for _, line in zip(range(40), f, strict=False))
+    lines = head.split(b"\n")
+    lines[3] = json.dumps({"title": "No id", "text": "Text without an id."}).encode()
+    data = b"\n".join(lines)
+    plain = _write(tmp_path / "c.jsonl", data, "wb")
+    for members in (1, 3):
+        os.makedirs(tmp_path / f"m{members}")
+        gz = _gz(tmp_path / f"m{members}" / "c.jsonl.gz", data, members)
+        got = list(corpus.read_documents(gz))
+        assert got == list(corpus.read_documents(plain)) and len(got) == 40
+        assert got[3][0] == "c:4"
+        assert P._count_lines(gz) == P._count_lines(plain) == 40
+        assert P._count_lines(gz, limit=10) == 10
+    txt = b"T1\tFirst text.\nid2\tT2\tSecond text.\n"
+    want = [("t:1", "T1", "First text."), ("id2", "T2", "Second text.")]
+    assert list(corpus.read_documents(_gz(tmp_path / "t.txt.gz", txt))) == want
+    assert list(corpus.read_documents(_write(tmp_path / "t.txt", txt, "wb"))) == want
+    with pytest.raises(corpus.CorpusError, match="unknown corpus format"):
+        list(corpus.read_documents(_gz(tmp_path / "c.csv.gz", txt)))
+
+
+def test_gz_bad_input_names_file_and_line(tmp_path):
+    """A bad JSON line inside a .gz: its line; a truncated or corrupt .gz: the line where its
+    data stops (the lines before are read; with skip_bad_input they are kept and the rest
+    counted as one skipped_unreadable). Every message is one line."""
+    import gzip
+
+    good = [json.dumps({"id": f"d{i}", "title": "T", "text": f"Text {i}."}) for i in range(2000)]
+    bad = good[:4] + ['{"title": "T", "text": '] + good[4:]
+    path = _gz(tmp_path / "b.jsonl.gz", "\n".join(bad).encode())
+    with pytest.raises(corpus.CorpusError, match=r"b\.jsonl\.gz:5: malformed JSON") as e:
+        list(corpus.read_documents(path))
+    assert "\n" not in str(e.value)
+    whole = gzip.compress(("\n".join(good) + "\n").encode())
+    cut = _write(tmp_path / "t.jsonl.gz", whole[: len(whole) // 2], "wb")
+    with pytest.raises(corpus.CorpusError) as e:
+        list(corpus.read_documents(cut))
+    msg = str(e.value)
+    assert "\n" not in msg and "truncated or corrupt gzip data (Compressed file ended" in msg
+    stats = collections.Counter()
+    docs = list(corpus.read_documents(cut, skip_bad_input=True, stats=stats))
+    assert 0 < len(docs) < 2000 and stats["skipped_unreadable"] == 1
+    assert msg.startswith(f"{cut}:{len(docs) + 1}: ")  # the line whose data is cut off
+    assert [d[0] for d in docs] == [f"d{i}" for i in range(len(docs))]
+    junk = _write(tmp_path / "j.jsonl.gz", b"not gzip at all\n", "wb")
+    with pytest.raises(corpus.CorpusError, match=r"j\.jsonl\.gz:1: truncated or corrupt gzip"):
+        list(corpus.read_documents(junk))
+    flipped = bytearray(whole)
+    flipped[200:210] = bytes(10)
+    corrupt = _write(tmp_path / "x.jsonl.gz", bytes(flipped), "wb")
+    with pytest.raises(corpus.CorpusError, match=r"x\.jsonl\.gz:\d+: truncated or corrupt"):
+        list(corpus.read_documents(corrupt))
+
+
 # ----------------------------------------------------------------------------------- blocking
 def _blocks(path, block_len):
     return P.build_blocks(_config(path, f"data.block_len={block_len}").data, collections.Counter())

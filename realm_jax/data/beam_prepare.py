@@ -2,7 +2,12 @@
 array_record format, built by Beam pipelines on a local runner or on Dataflow.
 
 Nothing holds the corpus: the input file is cut into byte ranges ("chunks", data.beam_chunk_kb);
-a worker reads the lines starting in its range, so every stage streams. Four pipelines run:
+a worker reads the lines starting in its range, so every stage streams. A gzip input
+(.jsonl.gz, .tsv.gz, .txt.gz) has no byte ranges to seek to: a `stage` pipeline first
+decompresses it, streaming, on one worker, into the scratch folder beside the build (local, or
+gs:// on Dataflow), and the chunks are cut from that copy; messages and default ids still name
+the .gz file and its lines, and a truncated or corrupt .gz stops at the line where its data
+stops, as in process. The pipelines:
 
   scan           every line parsed and checked once: lines per chunk (for file:line numbers and
                  "<stem>:<line>" ids), bad lines, duplicate ids (an 8-byte hash of each id;
@@ -12,6 +17,13 @@ a worker reads the lines starting in its range, so every stage streams. Four pip
                  and the sentence table: every block's sentences, numbered, as JSON lines
   eval_examples, sentence table -> one split's share -> tokenise, spaCy NER (one model per
   examples       worker, loaded in DoFn.setup) -> dense example ids -> shards
+
+With a separate pre-training text (data.sentences: the paper's CC-News sentences beside a
+Wikipedia knowledge corpus) the text is scanned like the corpus (its own bad lines and duplicate
+ids, counted as sentences_*), the blocks pipelines write no sentence table, and after the
+corpus's windows the text's windows run a `text` pipeline (chunk -> documents -> sentences ->
+the sentence table, block id -1) and the two example pipelines over it: the records are the
+in-process path's, whose examples also come from the text alone once the blocks are built.
 
 Deterministic ids without a global counter: records travel in batches keyed by their place in
 the corpus, (chunk, batch within chunk), each made by one worker in input order. Counting the
@@ -35,9 +47,16 @@ as one bundle. So on a local runner the blocks and examples pipelines run once p
 the corpus (data.beam_window_kb, whole chunks), one after another, each window's ids starting
 where the previous window's ended and its shards numbered after the previous window's. Peak
 memory is then bounded by the window, not the corpus (bench/prepare_beam.py measures 10k to
-200k passages); on Dataflow the whole corpus is one window. Only the scan covers the corpus in
-one pipeline: for the duplicate check it keeps an 8-byte hash of each document's id and its
-line (a few tens of bytes per document at the peak of the check), not the text.
+200k passages, bench/prepare_scale.py a 1M-passage corpus with a 1M-sentence text); on Dataflow
+the whole corpus is one window. The separate text is windowed the same way. Nothing else holds
+a list of documents, titles or ids, and no side input grows with the corpus (the id offsets are
+one int per batch of a window). Only the scans cover a whole input in one pipeline: for the
+duplicate check each keeps an 8-byte hash of each document's id, its 4-byte line and a 1-byte
+"id defaulted" flag (13 bytes per document, base64 in the runner's list and the driver's JSON,
+a few tens at the peak of the check: ~40 MB at 1M documents, ~0.5 GB at Wikipedia's 13M), not
+the text; that and the per-chunk line counts are the only state that grows with the input.
+On the local runner the scans are also not windowed: a split of the duplicate check by hash
+range would bound them too, if inputs far beyond 13M documents ever need it.
 """
 
 from __future__ import annotations
@@ -55,6 +74,7 @@ import shlex
 import shutil
 import tempfile
 import time
+from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
@@ -68,8 +88,9 @@ from realm_jax.data import masking
 from realm_jax.data import prepare as local
 from realm_jax.data.prepared import PrepareError, is_eval
 
-SENTENCES = "_block_sentences"  # stats key: sentences of a window's blocks (not reported)
+SENTENCES = "_block_sentences"  # stats key: a window's sentences (blocks' or text's; not reported)
 BATCH = 256  # blocks per batch; a batch's sentences go through one NER nlp.pipe call
+TEXT_BATCH = 2048  # separate-text sentences per batch (about a block batch's sentences)
 # The fields the workers need (a plain dict travels to workers; a locked ConfigDict need not).
 OPT_FIELDS = (*local.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb", "beam_shard_records")
 # Runners that keep a pipeline's data in this process's memory: they prepare window by window.
@@ -86,12 +107,28 @@ class _Opts(dict):
             raise AttributeError(name) from None
 
 
+class Source(NamedTuple):
+    """One input: `name` as configured (messages, default ids, format), `path` the bytes read:
+    the same file, or for a .gz its decompressed copy made by the stage pipeline."""
+
+    name: str
+    path: str
+
+
 def supported(data) -> str:
-    """'' when the Beam path can prepare this input, else why not (it reads line files)."""
-    if data.sentences:
-        return "data.sentences (a separate pre-training text) is read by the in-process path only"
-    if os.path.isdir(data.corpus) or not data.corpus.endswith((".jsonl", ".json", ".tsv", ".txt")):
-        return f"{data.corpus}: the Beam path reads .jsonl/.tsv files (a .txt folder is in-process)"
+    """'' when the Beam path can prepare this input, else why not (it reads line files: the
+    knowledge corpus and the separate text, each .jsonl/.json/.tsv/.txt or its .gz)."""
+    for field in ("corpus", "sentences"):
+        path = data[field]
+        if field == "sentences" and not path:
+            continue
+        if os.path.isdir(path) or not corpus_lib.format_name(path).endswith(
+            corpus_lib.LINE_FORMATS
+        ):
+            return (
+                f"data.{field}={path}: the Beam path reads .jsonl/.tsv files and their .gz "
+                "(a .txt folder is in-process)"
+            )
     return ""
 
 
@@ -118,9 +155,10 @@ def chunk_lines(path: str, k: int, chunk_bytes: int):
 
 def parse_line(path: str, n, raw: bytes, r: corpus_lib._Reader, first: bool):
     """One corpus line -> (doc_id, title, text), or None (blank, a TSV header, or bad input,
-    which r raises or counts exactly as corpus.read_documents does). n is the line number
-    (or a unique placeholder during the scan); first: the file's first line (a TSV header?).
-    r's duplicate check is not used: the scan finds duplicates across the whole file."""
+    which r raises or counts exactly as corpus.read_documents does). path: the input as named
+    (a .gz too: its messages and default ids); n is the line number (or a unique placeholder
+    during the scan); first: the file's first line (a TSV header?). r's duplicate check is
+    not used: the scan finds duplicates across the whole file."""
     where = f"{path}:{n}"
     try:
         line = raw.decode("utf-8")
@@ -129,8 +167,8 @@ def parse_line(path: str, n, raw: bytes, r: corpus_lib._Reader, first: bool):
     if not line.strip():
         return None
     line = line.rstrip("\r\n")
-    stem = os.path.splitext(os.path.basename(path))[0]
-    if path.endswith((".jsonl", ".json")):
+    stem = corpus_lib.stem(path)
+    if corpus_lib.format_name(path).endswith((".jsonl", ".json")):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -164,46 +202,58 @@ def _lenient_reader() -> corpus_lib._Reader:
     return r
 
 
-def _scan_chunk(k: int, path: str, chunk_bytes: int):
-    """Per chunk: (k, lines, bad lines, counts, id hashes, their lines). Line numbers are
-    chunk-local here (the chunks before are not counted yet). The duplicate check keeps 8 bytes
-    of hash and 4 of line per document, not the ids: `duplicates` compares the ids themselves
-    only where hashes collide."""
-    lines, bad, stats, hashes, where = 0, [], collections.Counter(), [], []
-    for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
+def _scan_chunk(k: int, src: Source, chunk_bytes: int):
+    """Per chunk: (k, lines, bad lines, counts, id hashes, their lines, defaulted?). Line
+    numbers are chunk-local here (the chunks before are not counted yet), so a defaulted id
+    ("<stem>:<line>") is not known yet: it is flagged, and `duplicates` hashes it once the
+    lines before the chunk are counted (it may equal another document's explicit id). The
+    duplicate check keeps 8 bytes of hash, 4 of line and 1 of flag per document, not the ids:
+    `duplicates` compares the ids themselves only where hashes collide."""
+    lines, bad, stats, hashes, where, dflt = 0, [], collections.Counter(), [], [], []
+    path, stem = src.name, corpus_lib.stem(src.name)
+    for i, raw in enumerate(chunk_lines(src.path, k, chunk_bytes)):
         lines += 1
         r = _lenient_reader()
-        # A placeholder line number: unique, so defaulted ids ("<stem>:<line>") never collide.
-        n, first = f"@{k}:{i}", k == 0 and i == 0
+        n, first = f"@{k}:{i}", k == 0 and i == 0  # a placeholder line number
         doc = parse_line(path, n, raw, r, first)
         skipped = [key for key in r.stats if key.startswith("skipped_")]
         if skipped:  # bad: keep the kind, and the message the raising reader gives
             bad.append((i, skipped[0].removeprefix("skipped_"), _message(path, n, raw, first)))
         elif doc is not None:
             stats["valid"] += 1
-            hashes.append(_id_hash(doc[0]))
+            defaulted = doc[0] == f"{stem}:{n}"
+            hashes.append(0 if defaulted else _id_hash(doc[0]))
             where.append(i)
+            dflt.append(defaulted)
     h, w = np.array(hashes, "<u8").tobytes(), np.array(where, "<i4").tobytes()
-    yield (k, lines, bad, dict(stats), base64.b64encode(h).decode(), base64.b64encode(w).decode())
+    d = np.array(dflt, np.uint8).tobytes()
+    yield (k, lines, bad, dict(stats), *(base64.b64encode(x).decode() for x in (h, w, d)))
 
 
-def _ids_at(path: str, chunk_bytes: int, k: int, wanted: set) -> dict:
+def _ids_at(src: Source, chunk_bytes: int, k: int, first_line: int, wanted: set) -> dict:
     """{line in chunk k: document id} for the wanted chunk-local lines (a second read of the
-    chunk, only where id hashes collide)."""
+    chunk, only where id hashes collide); first_line: the lines before chunk k."""
     out = {}
-    for i, raw in enumerate(chunk_lines(path, k, chunk_bytes)):
+    for i, raw in enumerate(chunk_lines(src.path, k, chunk_bytes)):
         if i in wanted:
-            out[i] = parse_line(path, f"@{k}:{i}", raw, _lenient_reader(), k == 0 and i == 0)[0]
+            r, first = _lenient_reader(), first_line + i == 0
+            out[i] = parse_line(src.name, first_line + i + 1, raw, r, first)[0]
     return out
 
 
-def duplicates(path: str, chunk_bytes: int, chunks: list) -> list:
+def duplicates(src: Source, chunk_bytes: int, chunks: list, first_line: list) -> list:
     """[((chunk, line), doc_id)] of every document whose id an earlier one has, from the
-    scan's per-chunk hashes: equal hashes are candidates, their ids are read back and
-    compared, so a hash collision is never taken for a duplicate."""
-    hs = [np.frombuffer(base64.b64decode(c[4]), "<u8") for c in chunks]
+    scan's per-chunk hashes (chunks sorted by chunk; first_line[k]: the lines before chunk k):
+    equal hashes are candidates, their ids are read back and compared, so a hash collision is
+    never taken for a duplicate."""
+    hs = [np.frombuffer(base64.b64decode(c[4]), "<u8").copy() for c in chunks]
     if not hs or not sum(map(len, hs)):
         return []
+    stem = corpus_lib.stem(src.name)
+    for x, c in zip(hs, chunks, strict=True):  # defaulted ids: "<stem>:<line>", hashed here
+        lines = np.frombuffer(base64.b64decode(c[5]), "<i4")
+        for j in np.flatnonzero(np.frombuffer(base64.b64decode(c[6]), np.uint8)):
+            x[j] = _id_hash(f"{stem}:{first_line[c[0]] + int(lines[j]) + 1}")
     h = np.concatenate(hs)
     k = np.concatenate([np.full(len(x), c[0], np.int32) for x, c in zip(hs, chunks, strict=True)])
     i = np.concatenate([np.frombuffer(base64.b64decode(c[5]), "<i4") for c in chunks])
@@ -215,7 +265,9 @@ def duplicates(path: str, chunk_bytes: int, chunks: list) -> list:
     for j in cand:
         wanted[int(k[j])].add(int(i[j]))
     ids = {
-        (c, line): d for c in wanted for line, d in _ids_at(path, chunk_bytes, c, wanted[c]).items()
+        (c, line): d
+        for c in wanted
+        for line, d in _ids_at(src, chunk_bytes, c, first_line[c], wanted[c]).items()
     }
     first_seen, dups = {}, []
     for pos in sorted(ids):  # corpus order: the first of each id is kept
@@ -255,60 +307,119 @@ def _read_json(path: str):
         return json.loads(f.read().decode())
 
 
-def scan(opts: _Opts, runner, options, out: str) -> dict:
-    """Run the scan pipeline; returns {"lines": [per chunk], "bad": [...], "dups": [...],
-    "valid": n} with (chunk, local line) positions."""
+def scan(opts: _Opts, runner, options, out: str, src: Source | None = None) -> dict:
+    """Run the scan pipeline over src (default: data.corpus); returns {"lines": [per chunk],
+    "bad": [...], "dups": [...], "valid": n} with (chunk, local line) positions."""
+    src = src or Source(opts.corpus, opts.corpus)
     chunk_bytes = opts.beam_chunk_kb * 1024
-    num_chunks = max(1, -(-_size(opts.corpus) // chunk_bytes))
+    num_chunks = max(1, -(-_size(src.path) // chunk_bytes))
     with beam.Pipeline(runner=runner, options=options) as p:
         _ = (
             p
             | "Chunks" >> beam.Create(range(num_chunks))
             | "Reshuffle" >> beam.Reshuffle()
-            | "Scan" >> beam.FlatMap(_scan_chunk, opts.corpus, chunk_bytes)
+            | "Scan" >> beam.FlatMap(_scan_chunk, src, chunk_bytes)
             | "AllChunks" >> beam.combiners.ToList()
             | "Write" >> beam.Map(lambda chunks: _write_json(sorted(chunks), out))
         )
     chunks = _read_json(out)
     lines = [0] * num_chunks
     bad, valid = [], 0
-    for k, n, b, stats, _, _ in chunks:
+    for k, n, b, stats, *_ in chunks:
         lines[k] = n
         bad += [((k, i), kind, msg) for i, kind, msg in b]
         valid += stats.get("valid", 0)
-    dups = duplicates(opts.corpus, chunk_bytes, chunks)
+    first_line = np.concatenate([[0], np.cumsum(lines)]).astype(int).tolist()
+    dups = duplicates(src, chunk_bytes, chunks, first_line)
     return {"lines": lines, "bad": sorted(bad), "dups": dups, "valid": valid}
 
 
-def check_scan(opts: _Opts, res: dict, stats: collections.Counter) -> dict:
+def check_scan(
+    opts: _Opts,
+    res: dict,
+    stats: collections.Counter,
+    src: Source | None = None,
+    prefix: str = "",
+) -> dict:
     """Raise the in-process path's CorpusError for the first bad line (skip_bad_input=False),
-    or count the skips; returns {chunk: first line number} for the builders."""
+    or count the skips (under `prefix`: "sentences_" for the separate text, as in process);
+    res["tail"], a .gz's data stopping after its last whole line, comes after every line.
+    Returns the builders' plan: {"src", "first_line": lines before each chunk, "skip"}."""
+    src = src or Source(opts.corpus, opts.corpus)
     first = np.concatenate([[0], np.cumsum(res["lines"])]).tolist()  # lines before chunk k
     problems = sorted(
         [(pos, kind, msg) for pos, kind, msg in res["bad"]]
         + [(pos, "duplicate_id", f"duplicate document id {d!r}") for pos, d in res["dups"]]
     )
+    if res.get("tail"):  # at line (all lines + 1): after every other problem
+        problems.append(((len(res["lines"]), 0), "unreadable", res["tail"]))
     if problems and not opts.skip_bad_input:
         (k, i), _, msg = problems[0]
         raise corpus_lib.CorpusError(
-            f"{opts.corpus}:{first[k] + i + 1}: {msg} ({corpus_lib.SKIP_HINT})"
+            f"{src.name}:{first[k] + i + 1}: {msg} ({corpus_lib.SKIP_HINT})"
         )
     for _, kind, _ in problems:
-        stats[f"skipped_{kind}"] += 1
-    stats["documents"] += res["valid"] - len(res["dups"])
-    return {"first_line": first, "skip": sorted(pos for pos, _ in res["dups"])}
+        stats[f"{prefix}skipped_{kind}"] += 1
+    stats[f"{prefix}documents"] += res["valid"] - len(res["dups"])
+    return {"src": src, "first_line": first, "skip": sorted(pos for pos, _ in res["dups"])}
+
+
+def _stage(item) -> None:
+    """(a .gz input, its copy) -> the decompressed copy, streamed, and <copy>.json: {"lines":
+    whole lines copied, "tail": why the data stopped before its end, or None}."""
+    name, dest = item
+    n, tail, buf = 0, None, bytearray()
+    with (
+        FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as f,
+        FileSystems.create(dest, compression_type=CompressionTypes.UNCOMPRESSED) as out,
+    ):
+        try:
+            for raw in corpus_lib.raw_lines(f, name):
+                n += 1
+                buf += raw
+                if len(buf) >= 1 << 22:
+                    out.write(bytes(buf))
+                    buf.clear()
+        except corpus_lib.UnreadableData as e:
+            tail = str(e)
+        out.write(bytes(buf))
+    _write_json({"lines": n, "tail": tail}, dest + ".json")
+
+
+def stage(names: list[str], runner, options, work: str) -> dict:
+    """The stage pipeline: each .gz input decompressed into work/ by one worker; returns
+    {name: (Source(name, copy), tail)} (a copy's line numbers are the .gz's)."""
+    items = [
+        (name, fs.join(work, "staged", f"{i}-{corpus_lib.format_name(fs.basename(name))}"))
+        for i, name in enumerate(names)
+    ]
+    with beam.Pipeline(runner=runner, options=options) as p:
+        _ = (
+            p
+            | "Inputs" >> beam.Create(items)
+            | "Spread" >> beam.Reshuffle()
+            | "Stage" >> beam.Map(_stage)
+        )
+    return {name: (Source(name, dest), _read_json(dest + ".json")["tail"]) for name, dest in items}
 
 
 # ------------------------------------------------------------------------------------ blocking
+def _chunk_docs(k: int, opts: _Opts, plan: dict) -> list:
+    """Chunk k's valid documents (doc_id, title, text) of plan["src"], in order, without the
+    duplicates the scan found."""
+    src, skip, first = plan["src"], set(map(tuple, plan["skip"])), plan["first_line"][k]
+    r, docs = _lenient_reader(), []
+    for i, raw in enumerate(chunk_lines(src.path, k, opts.beam_chunk_kb * 1024)):
+        doc = parse_line(src.name, first + i + 1, raw, r, first + i == 0)
+        if doc is not None and (k, i) not in skip:
+            docs.append(doc)
+    return docs
+
+
 def _chunk_blocks(k: int, opts: _Opts, plan: dict):
     """One chunk's documents -> ((k, j), [Block]) batches in corpus order (local block ids),
     plus ("stats", Counter) of blocks and empty documents."""
-    path, skip, first = opts.corpus, set(map(tuple, plan["skip"])), plan["first_line"][k]
-    r, docs = _lenient_reader(), []
-    for i, raw in enumerate(chunk_lines(path, k, opts.beam_chunk_kb * 1024)):
-        doc = parse_line(path, first + i + 1, raw, r, first + i == 0)
-        if doc is not None and (k, i) not in skip:
-            docs.append(doc)
+    docs = _chunk_docs(k, opts, plan)
     stats, batch, j = collections.Counter(), [], 0
     for chunk in local._chunks(docs, local.CHUNK):
         titles = tk.wordpieces([t for _, t, _ in chunk])
@@ -429,11 +540,37 @@ class MaskBatch(beam.DoFn):
 def write_sentences(bl, opts: _Opts, prefix: str, base: int) -> None:
     """Block batches -> the sentence table (JSON lines, one numbered sentence batch a line)
     that both example pipelines read, so documents are tokenised and blocked once."""
+    write_table(bl | "Sentences" >> beam.FlatMap(_sentences, opts), prefix, base)
+
+
+def write_table(batches, prefix: str, base: int) -> None:
+    """(key, [(text, block id, doc id, held out)]) sentence batches -> the sentence table,
+    each batch numbered from base (the sentences of the windows before) in key order."""
     _ = (
-        dense_ids(bl | "Sentences" >> beam.FlatMap(_sentences, opts), "Sentence", base)
+        dense_ids(batches, "Sentence", base)
         | "SentenceJson" >> beam.Map(json.dumps)
         | "WriteSentences" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
     )
+
+
+def _text_batches(k: int, opts: _Opts, plan: dict):
+    """One chunk of the separate text -> ((k, j), [(sentence, -1, doc id, held out)]) batches
+    in text order, as the in-process path lists them (data/prepare.py _sentences), plus
+    ("stats", Counter) of the chunk's sentences."""
+    docs = _chunk_docs(k, opts, plan)
+    stats, rows, j = collections.Counter(), [], 0
+    for chunk in local._chunks(docs, local.CHUNK):
+        spans = masking.split_sentences(text for _, _, text in chunk)
+        for (doc_id, title, text), sp in zip(chunk, spans, strict=True):
+            held = is_eval(local._split_key(opts, doc_id, title), opts.eval_fraction, opts.seed)
+            rows.extend((text[a:b], -1, doc_id, held) for a, b in sp)
+            stats[SENTENCES] += len(sp)
+            while len(rows) >= TEXT_BATCH:
+                yield ((k, j), rows[:TEXT_BATCH])
+                rows, j = rows[TEXT_BATCH:], j + 1
+    if rows:
+        yield ((k, j), rows)
+    yield beam.pvalue.TaggedOutput("stats", stats)
 
 
 def _sentence_batch(line: str):
@@ -631,14 +768,28 @@ def windows(num_chunks: int, chunk_kb: int, window_kb: int, runner: str) -> list
 
 
 def _run_blocks(p, opts: _Opts, plan: dict, tmp: str, stats_path: str) -> None:
-    """One window's blocks pipeline: blocks -> blocks dataset shards, the sentence table and
-    the window's stats."""
+    """One window's blocks pipeline: blocks -> blocks dataset shards, the sentence table
+    (unless a separate text gives the sentences) and the window's stats."""
     bl, stats = blocks(p, opts, plan)
     _write_stats(stats, stats_path)
-    write_sentences(bl, opts, plan["sentences"], plan["base"][SENTENCES])
+    if not opts.sentences:
+        write_sentences(bl, opts, plan["sentences"], plan["base"][SENTENCES])
     records = bl | "BlockRecords" >> beam.Map(_block_records)
     w, base, per = plan["window"], plan["base"]["blocks"], opts.beam_shard_records
     write_records(records, local.RealmBlocks, tmp, "blocks", w, base, per)
+
+
+def _run_text(p, opts: _Opts, plan: dict, tmp: str, stats_path: str) -> None:
+    """One window of the separate text: its documents -> the sentence table and the window's
+    sentence count (the examples pipelines then read the table)."""
+    res = (
+        p
+        | "Chunks" >> beam.Create(plan["chunks"])
+        | "Spread" >> beam.Reshuffle()  # one chunk per worker at a time
+        | "Text" >> beam.FlatMap(_text_batches, opts, plan).with_outputs("stats", main="rows")
+    )
+    _write_stats(res.stats, stats_path)
+    write_table(res.rows, plan["sentences"], plan["base"][SENTENCES])
 
 
 def _run_examples(p, opts: _Opts, plan: dict, tmp: str, stats_path: str, name: str) -> None:
@@ -651,17 +802,19 @@ def _run_examples(p, opts: _Opts, plan: dict, tmp: str, stats_path: str, name: s
 
 def check_runner(data, runner: str, data_dir: str) -> None:
     """Refuse, before anything runs, what a remote runner's workers could not reach: they read
-    data.corpus and write the build folder themselves, so both must be on an object store."""
+    data.corpus (and data.sentences) and write the build folder themselves, so all must be on
+    an object store."""
     if runner in LOCAL_RUNNERS:
         return
+    paths = [("data.corpus", data.corpus), ("data.sentences", data.sentences)]
     missing = [
         f"{what} ({path})"
-        for what, path in (("data.corpus", data.corpus), ("the data_dir", data_dir))
-        if not fs.is_remote(path)
+        for what, path in [*paths, ("the data_dir", data_dir)]
+        if path and not fs.is_remote(path)
     ]
     if missing:
         raise PrepareError(
-            f"--beam_runner={runner}: its workers read the corpus and write the datasets "
+            f"--beam_runner={runner}: its workers read the inputs and write the datasets "
             f"themselves, so {' and '.join(missing)} must be "
             f"{'a gs:// path' if len(missing) == 1 else 'gs:// paths'} (tpu/README.md)"
         )
@@ -680,19 +833,43 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
     options, runner = options or default_options(), runner_name(runner)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)  # per-stage INFO chatter
     pipe_opts = beam.options.pipeline_options.PipelineOptions(shlex.split(options))
-    work = fs.join(tmp, "beam")  # scratch: the scan's result, sentence tables, stats
+    work = fs.join(tmp, "beam")  # scratch: staged .gz copies, scan results, sentence tables
     print(f"prepare on Apache Beam: runner {runner}, options {options!r}")
-    t0 = time.time()
-    plan = check_scan(opts, scan(opts, runner, pipe_opts, fs.join(work, "scan.json")), stats)
-    print(f"prepare on Apache Beam: scan pipeline took {time.time() - t0:.1f}s")
-    num_chunks = len(plan["first_line"]) - 1
-    wins = windows(num_chunks, opts.beam_chunk_kb, data.beam_window_kb, runner)
+    inputs = [data.corpus] + ([data.sentences] if data.sentences else [])
+    sources = {name: (Source(name, name), None) for name in inputs}
+    gz = [name for name in inputs if corpus_lib.is_gzip(name)]
+    if gz:
+        t0 = time.time()
+        sources.update(stage(gz, runner, pipe_opts, work))
+        print(
+            f"prepare on Apache Beam: stage pipeline (decompress .gz) took {time.time() - t0:.1f}s"
+        )
+    plans = []  # (plan, prefix of its stats): the corpus, then the separate text
+    for i, (name, prefix) in enumerate(zip(inputs, ("", "sentences_"), strict=False)):
+        src, tail = sources[name]
+        t0 = time.time()
+        res = scan(opts, runner, pipe_opts, fs.join(work, f"scan-{i}.json"), src)
+        plans.append(check_scan(opts, {**res, "tail": tail}, stats, src, prefix))
+        print(f"prepare on Apache Beam: scan pipeline ({name}) took {time.time() - t0:.1f}s")
+    cplan, tplan = plans[0], (plans[1] if data.sentences else None)
     names = ["blocks", "eval_examples", "examples"]
+    splits = ["eval_examples"] * (data.eval_fraction > 0) + ["examples"]
     # Ids of the windows before: blocks, sentences (the random-masking seed), examples by split.
-    plan["base"] = dict.fromkeys([*names, SENTENCES], 0)
+    base = dict.fromkeys([*names, SENTENCES], 0)
+    cplan["base"] = base
+    if tplan is not None:
+        tplan["base"] = base
+    rounds = [(cplan, "", "blocks", _run_blocks)]  # (plan, label, stats name, pipeline)
+    if tplan is not None:
+        rounds.append((tplan, "text ", "sentences", _run_text))
+    wins = [
+        windows(len(plan["first_line"]) - 1, opts.beam_chunk_kb, data.beam_window_kb, runner)
+        for plan, *_ in rounds
+    ]
+    total_chunks, done = sum(len(plan["first_line"]) - 1 for plan, *_ in rounds), 0
     got, t_start = [], time.time()
 
-    def run(name: str, where: str, pipeline, *args) -> dict:
+    def run(name: str, where: str, plan: dict, pipeline, *args) -> dict:
         path, t0 = fs.join(work, f"{name}-{plan['window']}.stats.json"), time.time()
         with beam.Pipeline(runner=runner, options=pipe_opts) as p:
             pipeline(p, opts, plan, tmp, path, *args)
@@ -700,31 +877,39 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
         got.append(_read_json(path) if FileSystems.exists(path) else {})
         return got[-1]
 
-    for w, chunks in enumerate(wins):
-        where = f"window {w + 1}/{len(wins)}: " if len(wins) > 1 else ""
-        part = fs.join(work, f"sentences-{w}", "part")
-        plan.update(chunks=chunks, window=w, sentences=part)
-        made = run("blocks", where, _run_blocks)
-        if stats["documents"] and made.get("blocks"):
-            splits = ["eval_examples"] * (data.eval_fraction > 0) + ["examples"]
-            for name in splits:
-                plan["base"][name] += run(name, where, _run_examples, name).get("kept", 0)
-        plan["base"]["blocks"] += made.get("blocks", 0)
-        plan["base"][SENTENCES] += made.get(SENTENCES, 0)
-        if len(wins) > 1:
-            done, spent = chunks[-1] + 1, time.time() - t_start
-            eta = spent / done * (num_chunks - done)
-            print(
-                f"prepare on Apache Beam: {where}{plan['base']['blocks']:,} blocks so far, "
-                f"{spent:.0f}s, ETA {eta:.0f}s"
+    for (plan, label, first_name, pipeline), plan_wins in zip(rounds, wins, strict=True):
+        if plan is tplan and not base["blocks"]:
+            break  # no blocks: prepare stops (as the in-process path does before the text)
+        for w, chunks in enumerate(plan_wins):
+            many = len(plan_wins) > 1
+            where = (
+                f"{label}window {w + 1}/{len(plan_wins)}: " if many else label.replace(" ", ": ")
             )
+            table = fs.join(work, f"{first_name}-{w}", "part")  # this window's sentence table
+            plan.update(chunks=chunks, window=w, sentences=table)
+            made = run(first_name, where, plan, pipeline)
+            # The sentences come from this round: the corpus's blocks, or the separate text.
+            mine = (plan is tplan) == bool(data.sentences)
+            if mine and stats["documents"] and made.get(SENTENCES):
+                for name in splits:
+                    base[name] += run(name, where, plan, _run_examples, name).get("kept", 0)
+            base["blocks"] += made.get("blocks", 0)
+            base[SENTENCES] += made.get(SENTENCES, 0) if mine else 0
+            done += len(chunks)
+            if total_chunks > 1 and len(plan_wins) > 1:
+                spent = time.time() - t_start
+                print(
+                    f"prepare on Apache Beam: {where}{base['blocks']:,} blocks, "
+                    f"{base['examples'] + base['eval_examples']:,} examples so far, "
+                    f"{spent:.0f}s, ETA {spent / done * (total_chunks - done):.0f}s"
+                )
     for name in names:
         cls = local.RealmBlocks if name == "blocks" else local.RealmExamples
         written = finalize(tmp, name, cls)
-        if written != plan["base"][name]:  # a lost or repeated shard: never publish that
-            raise RuntimeError(f"{name}: {written} records written, {plan['base'][name]} made")
-    stats["eval_examples"] = plan["base"]["eval_examples"]
-    stats["examples"] = plan["base"]["examples"]
+        if written != base[name]:  # a lost or repeated shard: never publish that
+            raise RuntimeError(f"{name}: {written} records written, {base[name]} made")
+    stats["eval_examples"] = base["eval_examples"]
+    stats["examples"] = base["examples"]
     for g in got:
         stats.update(
             {k: v for k, v in g.items() if not k.startswith(("mode_", "_")) and k != "kept"}

@@ -7,9 +7,16 @@ Accepted inputs (`read_documents(path)`):
                      A first line "id<TAB>title<TAB>text" (or "title<TAB>text") is a header.
   a folder           every *.txt file in it (sorted, recursively): title = file stem,
                      text = contents, id = path relative to the folder.
+  *.jsonl.gz, *.json.gz, *.tsv.gz, *.txt.gz
+                     the same line files gzip-compressed (read as a stream, never unpacked
+                     to disk; concatenated gzip members too). Their default ids use the stem
+                     without ".gz" ("corpus.jsonl.gz" line 3: "corpus:3"), so a .gz file gives
+                     the records of its uncompressed twin.
+Every input may be a gs:// path (read through realm_jax.fs).
 
 Bad input (invalid UTF-8, malformed JSON, empty/missing fields, no usable text, duplicate ids,
-unreadable files) raises `CorpusError("<file>:<line>: ...")`; with skip_bad_input=True
+unreadable files, a truncated or corrupt .gz: at the line where its data stops) raises
+`CorpusError("<file>:<line>: ...")`; with skip_bad_input=True
 (`--config.data.skip_bad_input=true`) the document is skipped and counted under
 `stats["skipped_<kind>"]`.
 
@@ -22,9 +29,11 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 
 from realm_jax import fs
@@ -39,6 +48,46 @@ SKIP_HINT = "--config.data.skip_bad_input=true skips and counts such input"
 
 class CorpusError(ValueError):
     """Malformed corpus input; the message names the file and line."""
+
+
+class UnreadableData(OSError):
+    """A file whose data stops part way: a truncated or corrupt .gz, a read error."""
+
+
+LINE_FORMATS = (".jsonl", ".json", ".tsv", ".txt")  # line files (and their .gz)
+
+
+def is_gzip(path: str) -> bool:
+    return str(path).endswith(".gz")
+
+
+def format_name(path: str) -> str:
+    """The name a file's format is read from: without a trailing ".gz"."""
+    return str(path)[:-3] if is_gzip(path) else str(path)
+
+
+def stem(path: str) -> str:
+    """The file stem of default document ids ("<stem>:<line>"): corpus.jsonl(.gz) -> corpus."""
+    return os.path.splitext(fs.basename(format_name(path)))[0]
+
+
+def raw_lines(f, path: str) -> Iterator[bytes]:
+    """The raw lines (newline kept) of an open binary file, decompressed when `path` ends in
+    .gz. Data that stops part way (a truncated or corrupt .gz, a read error) raises
+    UnreadableData with a one-line reason after the last whole line; both engines read
+    through this, so they stop at the same line."""
+    src = gzip.GzipFile(fileobj=f, mode="rb") if is_gzip(path) else f
+    it = iter(src)
+    while True:
+        try:
+            raw = next(it)
+        except StopIteration:
+            return
+        except (EOFError, OSError, zlib.error) as e:
+            what = "truncated or corrupt gzip data" if is_gzip(path) else "read error"
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise UnreadableData(f"{what} ({reason})") from e
+        yield raw
 
 
 @dataclasses.dataclass
@@ -90,19 +139,24 @@ def _lines(path: str, r: _Reader) -> Iterator[tuple[int, str]]:
     except OSError as e:
         r.bad("unreadable", path, f"cannot read file: {e}")
         return
+    n = 0
     with f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                r.bad("bad_utf8", f"{path}:{n}", f"invalid UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            if line.strip():
-                yield n, line.rstrip("\r\n")
+        try:
+            for n, raw in enumerate(raw_lines(f, path), 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    where = f"{path}:{n}"
+                    r.bad("bad_utf8", where, f"invalid UTF-8 ({e.reason} at byte {e.start})")
+                    continue
+                if line.strip():
+                    yield n, line.rstrip("\r\n")
+        except UnreadableData as e:  # the data stops inside line n + 1: the rest is lost
+            r.bad("unreadable", f"{path}:{n + 1}", str(e))
 
 
 def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
-    stem = os.path.splitext(fs.basename(path))[0]
+    id_stem = stem(path)
     for n, line in _lines(path, r):
         where = f"{path}:{n}"
         try:
@@ -113,14 +167,14 @@ def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
         if not isinstance(obj, dict):
             r.bad("bad_json", where, "a line must be a JSON object")
             continue
-        doc_id = str(obj["id"]) if obj.get("id") not in (None, "") else f"{stem}:{n}"
+        doc_id = str(obj["id"]) if obj.get("id") not in (None, "") else f"{id_stem}:{n}"
         doc = r.check(where, doc_id, obj.get("title"), obj.get("text"))
         if doc:
             yield doc
 
 
 def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
-    stem = os.path.splitext(fs.basename(path))[0]
+    id_stem = stem(path)
     for n, line in _lines(path, r):
         where = f"{path}:{n}"
         (cols,) = list(csv.reader(io.StringIO(line), delimiter="\t", quoting=csv.QUOTE_NONE))
@@ -129,11 +183,11 @@ def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
         if len(cols) == 3:
             doc_id, title, text = cols
         elif len(cols) == 2:
-            (title, text), doc_id = cols, f"{stem}:{n}"
+            (title, text), doc_id = cols, f"{id_stem}:{n}"
         else:
             r.bad("missing_field", where, f"expected 2 or 3 tab-separated columns, got {len(cols)}")
             continue
-        doc = r.check(where, doc_id or f"{stem}:{n}", title, text)
+        doc = r.check(where, doc_id or f"{id_stem}:{n}", title, text)
         if doc:
             yield doc
 
@@ -161,18 +215,20 @@ def _read_folder(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
 def read_documents(
     path: str, *, skip_bad_input: bool = False, stats: collections.Counter | None = None
 ) -> Iterator[tuple[str, str, str]]:
-    """Yield (doc_id, title, text) from a .jsonl/.tsv file or a folder of .txt files."""
+    """Yield (doc_id, title, text) from a .jsonl/.tsv file (or its .gz) or a folder of .txt
+    files."""
     stats = stats if stats is not None else collections.Counter()
     r = _Reader(skip_bad_input, stats)
     if fs.isdir(path):
         yield from _read_folder(path, r)
     elif not fs.exists(path):
         raise CorpusError(f"{path}: no such file or folder")
-    elif path.endswith((".jsonl", ".json")):
+    elif format_name(path).endswith((".jsonl", ".json")):
         yield from _read_jsonl(path, r)
-    elif path.endswith((".tsv", ".txt")):
+    elif format_name(path).endswith((".tsv", ".txt")):
         yield from _read_tsv(path, r)
     else:
+        # (bench/reliability_errors.py checks this wording; .jsonl.gz/.tsv.gz are read too)
         raise CorpusError(f"{path}: unknown corpus format (use .jsonl, .tsv or a folder of .txt)")
 
 

@@ -122,14 +122,22 @@ class RealmExamples(_Builder):
 
 
 # ------------------------------------------------------------------------------------ building
-def _count_lines(path: str) -> int | None:
+def _count_lines(path: str, limit: int | None = None) -> int | None:
+    """Lines of a local line file (a .gz decompressed), files of a folder; None when it
+    cannot be read. With `limit`, counting stops there (engine choice needs no more)."""
     if os.path.isdir(path):
         return len(corpus_lib.input_files(path))
+    n = 0
     try:
         with open(path, "rb") as f:
-            return sum(1 for _ in f)
+            for n, _ in enumerate(corpus_lib.raw_lines(f, path), 1):
+                if limit is not None and n >= limit:
+                    break
+    except corpus_lib.UnreadableData:
+        return n  # a truncated .gz: reading it says where (corpus.read_documents)
     except OSError:
         return None
+    return n
 
 
 @contextlib.contextmanager
@@ -456,8 +464,9 @@ def _build_beam(data, data_dir: str, stats, runner: str, options: str) -> tuple[
 
 
 def choose_engine(data, beam_runner: str = "") -> str:
-    """'local' or 'beam' from data.engine; auto: Beam for a line file of at least
-    data.beam_min_passages lines (or when a --beam_runner is named), else in process."""
+    """'local' or 'beam' from data.engine; auto: Beam for line files (corpus and separate text
+    together) of at least data.beam_min_passages lines, or on gs://, or when a --beam_runner
+    is named; else in process."""
     engine = data.get("engine", "auto")
     if block_records.is_release_corpus(data.corpus):  # read in process (data/block_records.py)
         if engine == "beam" or beam_runner:
@@ -469,12 +478,14 @@ def choose_engine(data, beam_runner: str = "") -> str:
         return "local"
     if engine == "beam" or beam_runner:
         return "beam"
-    if data.sentences or os.path.isdir(data.corpus):
-        return "local"  # the Beam path reads one line file (beam_prepare.supported)
-    if fs.is_remote(data.corpus):
-        return "beam"  # the in-process reader reads local files; Beam reads gs:// itself
-    lines = _count_lines(data.corpus) or 0
-    return "beam" if lines >= data.get("beam_min_passages", BEAM_MIN_PASSAGES) else "local"
+    inputs = [p for p in (data.corpus, data.sentences) if p]
+    if any(os.path.isdir(p) for p in inputs):
+        return "local"  # the Beam path reads line files (beam_prepare.supported)
+    if any(fs.is_remote(p) for p in inputs):
+        return "beam"  # gs:// inputs at scale: Beam's workers read them in parallel
+    want = data.get("beam_min_passages", BEAM_MIN_PASSAGES)
+    lines = sum(_count_lines(p, want) or 0 for p in inputs)
+    return "beam" if lines >= want else "local"
 
 
 def prepare(
