@@ -1,0 +1,121 @@
+"""REALM's signal to the retriever, measured on held-out sentences -> docs/results.md.
+
+    python bench/realm_signal.py --data_dir D --ict W_ICT --read W_READ [--realm W_REALM ...]
+
+REALM's gradient on the retriever's score of candidate z is p(z|x,y) - p(z|x): the posterior
+(the prior re-weighted by how well the reader fills the masks given z) minus the prior. Where
+the posterior puts more mass than the prior on blocks of the sentence's own article, REALM
+pulls the retriever towards them; where it puts less, REALM pulls it away; where the two
+agree, the reader gives the retriever nothing to learn. This script scores that, with the
+held-out evaluation of `train` (realm_jax/pretrain/evaluation.py: same_title_prior,
+same_title_posterior), for a retriever + reader pair at the start of REALM pre-training and
+after it: each is one `realm-jax train` of a single step in a scratch workdir whose step-0
+evaluation is read (the step itself is not used).
+
+The pairs (every one with the ICT embedders, salient masks, configs/realm.py:squad):
+  ICT + bert-tiny            the reader REALM pre-training started from before the reading phase
+  ICT + the reading phase    the ablation suite's start (bench/ablations.py)
+  after REALM (--realm)      a pre-trained REALM workdir's own networks
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "bench")]
+
+from _report import write_section  # noqa: E402
+
+RESULTS = os.path.join(REPO, "docs", "results.md")
+CONFIG = "configs/realm.py:squad"
+KEYS = [
+    ("same_title_fraction", "same title (top-k)"),
+    ("same_title_prior", "prior mass, same title"),
+    ("same_title_posterior", "posterior mass, same title"),
+    ("retrieval_utility", "retrieval utility"),
+    ("accuracy", "accuracy (marginal)"),
+    ("null_only_accuracy", "accuracy (null doc only)"),
+]
+
+
+def evaluate(label: str, overrides: list[str], work: str, examples: int) -> dict:
+    """The step-0 held-out evaluation of one retriever + reader pair (cached in `work`)."""
+    from realm_jax.train.metrics import read_scalars
+
+    if not os.path.exists(os.path.join(work, "metrics.json")):
+        cmd = [sys.executable, "-m", "realm_jax", "train", "--config", CONFIG, "--workdir", work]
+        cmd += ["--config.train.steps=1", "--config.train.eval_every=1"]
+        cmd += [f"--config.train.eval_examples={examples}", "--config.refresh.mode=inprocess"]
+        cmd += [f"--config.{o}" for o in overrides]
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    scalars = read_scalars(work)  # the TensorBoard events: every evaluation, step 0 first
+    return {k: scalars[f"eval/{k}"][0] for k, _ in KEYS} | {"label": label}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data_dir", required=True, help="the prepared squad data (ablations)")
+    ap.add_argument("--ict", required=True, help="the ICT workdir")
+    ap.add_argument("--read", required=True, help="the reading phase's workdir")
+    ap.add_argument("--realm", action="append", default=[], help="LABEL=WORKDIR, repeatable")
+    ap.add_argument("--out", default=os.path.join(REPO, "runs", "realm_signal"))
+    ap.add_argument("--examples", type=int, default=1024)
+    args = ap.parse_args()
+    base = [f"data.data_dir={os.path.abspath(args.data_dir)}", "data.mask_mode=salient"]
+    ict = [f"model.init_embedders_from_ict={os.path.abspath(args.ict)}"]
+    pairs = [
+        ("ICT + bert-tiny's reader", base + ict),
+        (
+            "ICT + the reading phase's reader",
+            base
+            + ict
+            + [
+                f"model.init_from_realm={os.path.abspath(args.read)}",
+                "model.init_span_head_from_realm=true",
+                "model.init_reader_from=",
+            ],
+        ),
+    ]
+    for spec in args.realm:
+        label, work = spec.split("=", 1)
+        pairs.append(
+            (
+                label,
+                base
+                + [
+                    f"model.init_from_realm={os.path.abspath(work)}",
+                    "model.init_span_head_from_realm=true",
+                    "model.init_reader_from=",
+                ],
+            )
+        )
+    rows = []
+    for i, (label, over) in enumerate(pairs):
+        rows.append(evaluate(label, over, os.path.join(args.out, f"pair{i}"), args.examples))
+    lines = [
+        f"`python bench/realm_signal.py --data_dir {args.data_dir} --ict {args.ict} --read "
+        f"{args.read}" + "".join(f" --realm '{r}'" for r in args.realm) + "`: "
+        f"{args.examples} held-out salient-span sentences (articles never trained on), the "
+        "8 candidates of the corpus-wide search (the null document and the top 7, the "
+        "sentence's own block excluded). REALM's gradient on a candidate's retrieval score is "
+        "p(z|x,y) - p(z|x); the posterior's mass on the article's blocks minus the prior's is "
+        "the direction and size of REALM's pull towards them.",
+        "",
+        "| retriever + reader | " + " | ".join(name for _, name in KEYS) + " | posterior - prior |",
+        "|---|" + "---|" * (len(KEYS) + 1),
+    ]
+    for r in rows:
+        gap = r["same_title_posterior"] - r["same_title_prior"]
+        lines.append(
+            f"| {r['label']} | " + " | ".join(f"{r[k]:.4f}" for k, _ in KEYS) + f" | {gap:+.4f} |"
+        )
+    write_section("REALM's signal to the retriever", "\n".join(lines), doc=RESULTS)
+
+
+if __name__ == "__main__":
+    main()
