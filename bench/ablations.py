@@ -12,12 +12,17 @@ repository root (with ../shared beside it):
   2. ict       configs/ict.py:squad -> PREFIX/ict: every dense arm's retriever warm start
   3. read      configs/orqa.py:squad_read -> PREFIX/read: bert-tiny's reader (and its span
                head) after a reading phase on the training articles' gold passages, every
-               dense arm's reader warm start (a deviation from the paper: see that config)
+               dense arm's reader for fine-tuning (a deviation from the paper: see that config)
   4. pretrain  `realm-jax sweep --config configs/ablations.py:squad`: the four REALM arms,
-               point by point (resumable), in PREFIX/pretrain/<point>
-  5. finetune  configs/orqa.py:squad for each dense arm from its pre-trained networks (ICT
-               only: the ICT embedders and the reading phase's reader), the same steps and
-               settings
+               point by point (resumable), in PREFIX/pretrain/<point>, from the ICT embedders
+               and bert-tiny's MLM reader. Not from the reading phase's reader: span
+               extraction erases its fill-in-the-blank skill (held-out masked accuracy 0.0004,
+               retrieval utility -0.89), and with it REALM's signal to the retriever
+               (docs/results.md, "REALM's signal to the retriever")
+  5. finetune  configs/orqa.py:squad for each dense arm: its retriever (the arm's query and
+               document embedders: ICT's, or REALM's after pre-training) with the reading
+               phase's reader and span head, the same steps and settings: the arms differ in
+               their retrievers alone (the paper fine-tunes REALM's own reader: a deviation)
   5. evaluate  zero-shot retrieval of answer-holding blocks by the pre-trained retriever
                (`evaluate --checkpoint initial --retrieval_only`), exact match and retrieval
                after fine-tuning, the reader given the question's gold passage; for the
@@ -137,15 +142,9 @@ class Suite:
         return os.path.join(self.prefix, *parts)
 
     def pretrain_extra(self) -> list[str]:
-        """The overrides every REALM arm's sweep point gets: the reading phase's reader (with
-        its span head, which pre-training carries untrained into fine-tuning) and the ICT
-        embedders."""
-        return self.s["pretrain"] + [
-            f"model.init_from_realm={self.workdir('read')}",
-            "model.init_span_head_from_realm=true",
-            "model.init_reader_from=",
-            f"model.init_embedders_from_ict={self.workdir('ict')}",
-        ]
+        """The overrides every REALM arm's sweep point gets: the ICT embedders (the reader is
+        the recipe's, bert-tiny's MLM: see the module docstring, stage 4)."""
+        return self.s["pretrain"] + [f"model.init_embedders_from_ict={self.workdir('ict')}"]
 
     def point_workdir(self, arm: str) -> str:
         """The REALM arm's pre-training workdir (its sweep point's folder)."""
@@ -280,18 +279,14 @@ class Suite:
 
 
 def init_overrides(suite: Suite, arm: str) -> list[str]:
-    """The fine-tuning warm start of an arm: its pre-trained networks with the span head of
-    the reading phase (ICT only: the ICT embedders and the reading phase's reader, as ORQA
-    starts from BERT)."""
-    if arm == "ict":
-        return [
-            f"model.init_from_realm={suite.workdir('read')}",
-            "model.init_span_head_from_realm=true",
-            f"model.init_embedders_from_ict={suite.workdir('ict')}",
-        ]
+    """The fine-tuning (and zero-shot) warm start of an arm: the reading phase's reader and
+    span head, then the arm's retriever: the ICT embedders, or the REALM arm's pre-trained
+    ones (a REALM workdir's embedders load as an ICT run's: the same modules and names)."""
+    retriever = suite.workdir("ict") if arm == "ict" else suite.point_workdir(arm)
     return [
-        f"model.init_from_realm={suite.point_workdir(arm)}",
+        f"model.init_from_realm={suite.workdir('read')}",
         "model.init_span_head_from_realm=true",
+        f"model.init_embedders_from_ict={retriever}",
     ]
 
 
@@ -406,10 +401,13 @@ def report(suite: Suite, results: dict, curves: dict, made: str, arms: list[str]
         f"The ICT warm start, shared by every dense arm: {_minutes(t.get('ict'))} min. Times are",
         "wall minutes on this machine's 2 CPU cores (a stage found done is not re-timed).",
         "",
-        "Every dense arm's reader starts from one reading phase (configs/orqa.py:squad_read,"
-        f" {_minutes(t.get('read'))} min; a deviation from the paper, whose BERT-base reader",
-        "needs none): bert-tiny's reader trained on the gold passages of the training articles'",
-        "questions. Right after it, before any pre-training or fine-tuning, that reader scores"
+        "REALM pre-training starts from the ICT embedders and bert-tiny's MLM reader; every",
+        "dense arm is then fine-tuned with its own retriever and one shared reader from a",
+        f"reading phase (configs/orqa.py:squad_read, {_minutes(t.get('read'))} min; a deviation",
+        "from the paper, whose BERT-base reader needs none and which fine-tunes REALM's own",
+        "reader): bert-tiny's reader trained on the gold passages of the training articles'",
+        "questions, so the arms differ in their retrievers alone. Right after the phase,",
+        "before any fine-tuning, that reader scores"
         f" EM {cell(results.get('read', {}).get('gold'), 'em')} given the gold passage and",
         f"EM {cell(results.get('read', {}).get('bm25'), 'em')} reading BM25's top 5 blocks.",
         "",
@@ -459,8 +457,9 @@ def main() -> int:
     results: dict[str, dict] = {key: {} for key, _, _, _ in ARMS} | {"read": {}}
     data = suite.prepare()
     ict = suite.ict(data)
-    # every dense arm's warm start: the ICT embedders and the reading phase's reader
-    warm = ict + "+" + suite.read(data)
+    # every dense arm's fine-tuning start: its retriever and the reading phase's reader
+    read = suite.read(data)
+    warm = ict + "+" + read
     read_work = suite.workdir("read")
     for name, extra, init in READ_EVALS:
         got = suite.evaluate(read_work, init, warm, name, extra, spec=READ)
@@ -469,10 +468,13 @@ def main() -> int:
     dense = [(k, label, i) for k, label, i, _ in ARMS if k != "bm25"]
     inits = {key: init_overrides(suite, key) for key, _, _ in dense}
     # the sweep: the REALM arms asked for, point by point
-    pretrained = suite.pretrain(warm, [i for k, _, i in dense if i is not None and k in arms])
-    upstream = {
-        key: warm if i is None else pretrained.get(i, (None, None))[1] for key, _, i in dense
-    }
+    # REALM pre-training starts from the ICT embedders (and bert-tiny's reader)
+    pretrained = suite.pretrain(ict, [i for k, _, i in dense if i is not None and k in arms])
+    upstream = {key: warm for key, _, i in dense if i is None}
+    for key, _, i in dense:
+        if i is not None:
+            stamp = pretrained.get(i, (None, None))[1]
+            upstream[key] = stamp and stamp + "+" + read
     curves: dict[str, dict[int, float]] = {}
     for key, label, index in dense:  # the zero-shot table first: it needs no fine-tuning
         if upstream[key] is None:

@@ -191,19 +191,49 @@ def test_the_report_tables_what_was_run_and_marks_the_rest():
     assert "| 100 | 0.1700 |" in body  # the retrieval-utility table
 
 
-def test_every_dense_arm_starts_from_the_reading_phase_reader():
-    """The reading phase's reader (and its span head) is every dense arm's warm start: the
-    REALM arms' pre-training (whose span head is carried untrained into fine-tuning) and the
-    ICT-only arm's fine-tuning; the ICT embedders come last, replacing the phase's."""
+def test_realm_pretrains_from_an_mlm_reader_and_every_arm_finetunes_the_reading_phases():
+    """REALM pre-training starts from the ICT embedders and the recipe's MLM reader (not the
+    reading phase's, whose span training erased its fill-in-the-blank skill); fine-tuning
+    (and zero-shot scoring) of every dense arm starts from the reading phase's reader and
+    span head with the arm's own retriever, loaded last so it replaces the phase's."""
     bench = _bench("ablations")
     suite = bench.Suite("quick")
     read = f"model.init_from_realm={suite.workdir('read')}"
     extra = suite.pretrain_extra()
-    assert read in extra and "model.init_span_head_from_realm=true" in extra
-    assert "model.init_reader_from=" in extra  # bert-tiny's HF reader would replace it
     assert f"model.init_embedders_from_ict={suite.workdir('ict')}" in extra
-    ict = bench.init_overrides(suite, "ict")
-    assert read in ict and "model.init_span_head_from_realm=true" in ict
-    salient = bench.init_overrides(suite, "salient")
-    assert salient[0].startswith("model.init_from_realm=" + suite.workdir("pretrain"))
-    assert "model.init_span_head_from_realm=true" in salient
+    assert not any(o.startswith(("model.init_from_realm", "model.init_reader_from")) for o in extra)
+    config = load_config(bench.ABLATIONS, extra)
+    assert config.model.init_reader_from.endswith("bert-tiny-mlm")  # an MLM reader
+    for arm, retriever in (
+        ("ict", suite.workdir("ict")),
+        ("salient", suite.point_workdir("salient")),
+    ):
+        over = bench.init_overrides(suite, arm)
+        assert over[:2] == [read, "model.init_span_head_from_realm=true"]
+        assert over[2] == f"model.init_embedders_from_ict={retriever}"
+
+
+def test_a_realm_workdirs_embedders_load_as_an_ict_runs(tmp_path):
+    """init_overrides gives a REALM arm's workdir as model.init_embedders_from_ict: its
+    checkpoint's query and document embedders come back exactly."""
+    import jax
+
+    from realm_jax.model.bert import ModelConfig
+    from realm_jax.pretrain import step as train_step
+    from realm_jax.train import warm_start
+    from tests.realm_fixtures import tiny_config
+
+    cfg = tiny_config()
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    _, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    mgr = checkpoint.manager(str(tmp_path), with_data=False)
+    checkpoint.save(mgr, 3, state)
+    mgr.wait_until_finished()
+    got = warm_start.ict_embedder_params(
+        str(tmp_path), ModelConfig.from_config(cfg.model, "embedder")
+    )
+    params = jax.device_get(state.params)
+    assert set(got) == {"query_embedder", "doc_embedder"}
+    for name, tree in got.items():
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(params[name]), strict=True):
+            np.testing.assert_array_equal(a, b)
