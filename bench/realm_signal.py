@@ -114,6 +114,14 @@ def main() -> None:
         lines.append(
             f"| {r['label']} | " + " | ".join(f"{r[k]:.4f}" for k, _ in KEYS) + f" | {gap:+.4f} |"
         )
+    lines += [
+        "",
+        "Read with it: `accuracy` is the masked wordpieces the reader fills right with the "
+        "candidates, `retrieval utility` how much the retrieved blocks raise the masks' "
+        "log-likelihood over the null document alone. A reader that cannot fill the masks "
+        "(accuracy near 0) leaves the posterior equal to the prior, and REALM's gradient on "
+        "the retriever is then noise around zero, whatever the retriever.",
+    ]
     write_section("REALM's signal to the retriever", "\n".join(lines), doc=RESULTS)
 
 
