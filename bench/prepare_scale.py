@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "bench")]
 
 from _report import write_section  # noqa: E402
+from prepare_beam import _rss  # noqa: E402  (RSS of a process tree)
 
 VOCAB = os.path.join(REPO, "realm_jax", "assets", "vocab.txt")
 TEXT_DOC_SENTENCES = 5  # sentences per document of the separate text
@@ -84,21 +85,6 @@ def make_inputs(n: int, folder: str, gz: bool) -> tuple[str, str, int]:
             size += len(line)
             f.write(line)
     return corpus, text, size
-
-
-def _rss(proc: psutil.Process) -> tuple[int, int, int]:
-    """(RSS of the whole tree, of the main process, of its largest child) in bytes."""
-    main, children = 0, []
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            rss = p.memory_info().rss
-        except psutil.Error:
-            continue
-        if p.pid == proc.pid:
-            main = rss
-        else:
-            children.append(rss)
-    return main + sum(children), main, max(children, default=0)
 
 
 def run(n: int, corpus: str, text: str, workdir: str, workers: int, window_kb: int | None):

@@ -53,6 +53,8 @@ set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 die() { echo "tpu/launch.sh: error: $* (tpu/launch.sh --help for usage)" >&2; exit 2; }
+# shellcheck source=tpu/checks.sh
+source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
 
 # shellcheck disable=SC2088  # expanded by the remote shell, on purpose
 REMOTE_DIR='~/realm-jax'  # where tpu/setup.sh installed the repo (expanded remotely)
@@ -82,18 +84,9 @@ done
 (( ${#pos[@]} == 4 )) || die "expected NAME ZONE WORKDIR CONFIG_SPEC, got ${#pos[@]} argument(s)"
 name=${pos[0]} zone=${pos[1]} workdir=${pos[2]} spec=${pos[3]}
 workdir=${workdir%/}
-if [[ "$workdir" == gs://* ]]; then
-  # Read and written by every worker through the GCS API (orbax, TFDS, TensorBoard and the
-  # index all take gs:// URLs): no gcsfuse mount needed.
-  [[ "$workdir" =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9]/[^[:space:]]+$ ]] ||
-    die "WORKDIR must be gs://BUCKET/FOLDER (a folder inside the bucket), got $workdir"
-else
-  [[ "$workdir" == /* ]] ||
-    die "WORKDIR must be gs://BUCKET/FOLDER or an absolute path on a shared filesystem, got $workdir"
-fi
-[[ "$spec" == *.py || "$spec" == *.py:* ]] || die "CONFIG_SPEC must be like configs/realm.py:base"
+check_workdir_and_spec "$workdir" "$spec"
 run_name=${run_name:-$(basename "$workdir")}
-[[ "$run_name" =~ ^[A-Za-z0-9_.,=+-]+$ ]] || die "run name '$run_name' has unsafe characters"
+check_run_name "$run_name"
 [[ -z "$runner" || "$runner" == local || "$runner" == dataflow ]] ||
   die "--runner must be local or dataflow, got '$runner'"
 [[ -z "$runner" ]] || (( prepare )) || die "--runner goes with --prepare"

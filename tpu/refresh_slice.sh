@@ -42,6 +42,8 @@ set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 die() { echo "tpu/refresh_slice.sh: error: $* (tpu/refresh_slice.sh --help for usage)" >&2; exit 2; }
+# shellcheck source=tpu/checks.sh
+source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
 
 # shellcheck disable=SC2088  # expanded by the remote shell, on purpose
 REMOTE_DIR='~/realm-jax'  # where tpu/setup.sh installs the repo (expanded remotely)
@@ -120,16 +122,9 @@ esac
 
 # ---------------------------------------------------------------- start / stop
 workdir=${pos[3]%/} spec=${pos[4]}
-if [[ "$workdir" == gs://* ]]; then
-  [[ "$workdir" =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9]/[^[:space:]]+$ ]] ||
-    die "WORKDIR must be gs://BUCKET/FOLDER (a folder inside the bucket), got $workdir"
-else
-  [[ "$workdir" == /* ]] ||
-    die "WORKDIR must be gs://BUCKET/FOLDER or an absolute path on a filesystem both slices mount, got $workdir"
-fi
-[[ "$spec" == *.py || "$spec" == *.py:* ]] || die "CONFIG_SPEC must be like configs/realm.py:base"
+check_workdir_and_spec "$workdir" "$spec"
 run_name=${run_name:-$(basename "$workdir")}
-[[ "$run_name" =~ ^[A-Za-z0-9_.,=+-]+$ ]] || die "run name '$run_name' has unsafe characters"
+check_run_name "$run_name"
 logs="$REMOTE_DIR/logs/$run_name"
 (( dry_run )) || command -v gcloud >/dev/null || die "gcloud not found (install the Google Cloud SDK)"
 
