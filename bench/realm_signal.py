@@ -91,6 +91,7 @@ def main() -> None:
                     f"model.init_from_realm={os.path.abspath(work)}",
                     "model.init_span_head_from_realm=true",
                     "model.init_reader_from=",
+                    "model.init_embedders_from_ict=",  # the REALM run's own embedders
                 ],
             )
         )
