@@ -311,3 +311,12 @@ def test_load_rows_reads_and_verifies_only_the_blocks_asked_for(tmp_path):
     parts, read = ix.load_rows(old, [(0, 8)])
     np.testing.assert_array_equal(parts[(0, 8)], emb[:8])
     assert read == 61 * 16 * 4  # the whole matrix
+
+
+def test_progress_is_written_before_the_index_folder_exists(tmp_path):
+    """The refresh job reports 'loading the corpus' before it has published anything: the
+    index folder does not exist yet on a fresh workdir."""
+    idx = str(tmp_path / "fresh" / "index")
+    ix.write_progress(idx, checkpoint=None, phase="loading the corpus")
+    got = ix.read_progress(idx)
+    assert got["phase"] == "loading the corpus" and got["checkpoint"] is None

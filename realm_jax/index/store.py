@@ -411,6 +411,7 @@ PROGRESS = "progress.json"  # the refresh job's current work (read_progress), be
 def write_progress(index_dir: str, **fields: Any) -> None:
     """The refresh job's progress (checkpoint, phase, done / of, since), with `updated` = now:
     what a trainer waiting for its first index reads, and its sign that the job is alive."""
+    fs.makedirs(index_dir)  # the job's first report comes before anything is published
     _write_json_atomic(fs.join(index_dir, PROGRESS), {**fields, "updated": time.time()})
 
 
