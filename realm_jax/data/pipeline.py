@@ -259,6 +259,13 @@ def train_loader(
     int32, mlm_weights [b, max_predictions] float32, block_id [b] int32, example_id [b] int64
     (the prepared examples' ids, kept on the host by the loop: train.record_example_ids);
     b = global_batch_size / jax.process_count().
+
+    On a gs:// data_dir the examples are read in place, record by record, as the batches
+    want them (prepared.ShardedSource): no host copies the examples first. A process's rows
+    of the global batches come from one shuffle of the whole example set (GlobalBatchSampler),
+    so every host reads records of every shard (no per-host partition of the files: one would
+    tie the order to the host count), but each record of an epoch is read by one host only:
+    1/hosts of the examples a host, one GCS read a record.
     """
     data = config.data
     # before the data is opened: an unknown data.mask_mode is a config error, not a data one

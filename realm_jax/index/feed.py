@@ -50,16 +50,22 @@ class IndexFeed:
         workdir: str,
         mesh,
         model: RealmModel,
-        tokens: np.ndarray,
+        tokens,
         owner: str = "trainer",
     ):
+        """`tokens`: the block token table, the host array [N, Lb] (padded and put on the
+        mesh here) or prepared.sharded_block_tokens(data_dir, mesh) (already row-sharded on
+        `mesh`, each host having read only its own rows)."""
         self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
         if self.mode not in MODES:
             raise ValueError(f"refresh.mode must be one of {MODES}, got {self.mode!r}")
         self.dir, self.owner = paths.index_dir(workdir), owner
         self.num_blocks = tokens.shape[0]
-        _, tok = pad_index(None, tokens, mesh)
-        self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
+        if getattr(tokens, "rows", None) is None:  # the host table: padded, put on the mesh
+            _, tok = pad_index(None, tokens, mesh)
+            self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
+        else:  # prepared.RowShardedTokens: already padded and row-sharded on this mesh
+            self.tokens = tokens.rows
         self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
         self.emb = None  # [Npad, D]
         if self.mode == "amortized":

@@ -47,14 +47,19 @@ def build_searcher(config, embeddings: np.ndarray):
 class Refresher:
     """The refresh job: checkpoints in, published index versions out."""
 
-    def __init__(self, config, workdir: str, tokens: np.ndarray, mesh=None):
+    def __init__(self, config, workdir: str, tokens, mesh=None):
+        """`tokens`: the host token table [N, Lb], or prepared.sharded_block_tokens(data_dir,
+        mesh) on the `mesh` given (each host read only its own rows: `command`)."""
         self.config, self.workdir = config, workdir
         self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
         self.name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
         self.model, self.abstract = abstract_params(config, self.mesh, self.name)
         self.num_blocks = tokens.shape[0]
-        _, tok = pad_index(None, tokens, self.mesh)
-        self.tokens = sharding.put_rows(tok, self.mesh)
+        if getattr(tokens, "rows", None) is None:  # the host table
+            _, tok = pad_index(None, tokens, self.mesh)
+            self.tokens = sharding.put_rows(tok, self.mesh)
+        else:  # prepared.RowShardedTokens, already row-sharded on self.mesh
+            self.tokens = tokens.rows
         self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
         # a large corpus is embedded in parts, its progress written after each one (a trainer
         # waiting for its first index keeps waiting while it advances: index/feed.py)
@@ -242,6 +247,8 @@ def command(config, args) -> int:
                 paths.index_dir(args.workdir), checkpoint=None, phase="loading the corpus",
                 since=time.time(),
             )  # fmt: skip
-        tokens = prepared.load_blocks(paths.data_dir(config, args.workdir))[0]
-        Refresher(config, args.workdir, tokens).run(stop, max_versions=args.max_versions)
+        # each host reads only the block rows of its own devices
+        mesh = sharding.make_mesh(_all_devices_mesh(config))
+        tokens = prepared.sharded_block_tokens(paths.data_dir(config, args.workdir), mesh)
+        Refresher(config, args.workdir, tokens, mesh).run(stop, max_versions=args.max_versions)
     return 0

@@ -14,9 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from realm_jax import checkpoint, sharding
+from realm_jax import checkpoint, fs, sharding
+from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
-from realm_jax.data import pipeline
+from realm_jax.data import pipeline, prepared
 from realm_jax.index.feed import IndexFeed
 from realm_jax.lock import workdir_lock
 from realm_jax.pretrain import step as train_step
@@ -38,7 +39,11 @@ def _train(
     health() is called while waiting for the first index and before every step; it raises
     when something the run depends on has died (`local`'s refresh job)."""
     tc = config.train
-    mesh, ddir, (tokens, _, titles) = loop.setup(config, workdir)  # tokens [N, Lb]
+    mesh, ddir = _setup(config, workdir)
+    # the block token table [N, Lb], row-sharded: this host read only its own devices' rows
+    # (and the titles of those, exchanged for the held-out evaluation's)
+    tokens = prepared.sharded_block_tokens(ddir, mesh, with_titles=tc.eval_every > 0)
+    titles = tokens.titles
     if tc.eval_every > 0:
         sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
     check_candidates(tc.num_candidates, tokens.shape[0], mesh)
@@ -105,6 +110,17 @@ def _train(
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
     )
+
+
+def _setup(config, workdir: str):
+    """loop.setup without its read of every block: (mesh, data dir), the workdir made, the
+    global batch checked against the mesh and the prepared data against the config."""
+    fs.makedirs(workdir)
+    mesh = sharding.make_mesh(config.mesh)
+    sharding.check_batch(config.train.batch_size, mesh)
+    ddir = paths.data_dir(config, workdir)
+    prepared.check_prepared(config, ddir)
+    return mesh, ddir
 
 
 def check_candidates(num_candidates: int, num_blocks: int, mesh) -> None:
