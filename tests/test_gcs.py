@@ -10,9 +10,9 @@ more steps, the losses equal to the same runs on local disk.
 What fake-gcs-server cannot show, and so is not tested here: preconditions on DELETE, media
 uploads and conditional GETs (it ignores them; the lease writes with multipart uploads, whose
 preconditions it enforces, and release() compares the generation itself before deleting),
-GCS's retries, latency and rate limits, and TFDS/array_record reading gs:// directly
-(array_record opens local files only: prepared.py reads a verified local copy, which is what
-is tested). Nothing here reaches real GCS.
+GCS's retries, latency and rate limits, and real GCS credentials (array_record's own GCS
+client reads the prepared shards in place from the emulator: prepared.py's ShardedSource,
+tests/test_shard_reads.py). Nothing here reaches real GCS.
 """
 
 import json
@@ -708,7 +708,7 @@ def test_realm_train_saves_and_resumes_on_gcs(root, train_data, tmp_path):
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "REALM_JAX_CACHE": str(tmp_path / "cache"),  # where the gs:// data dir is copied
+        "REALM_JAX_CACHE": str(tmp_path / "cache"),  # copies (REALM_JAX_REMOTE_READS=copy, HF)
     }
     local_data, remote_data = train_data
     runs = {}
