@@ -84,7 +84,7 @@ from apache_beam.io.filesystems import CompressionTypes, FileSystems
 from realm_jax import fs
 from realm_jax import tokenization as tk
 from realm_jax.data import corpus as corpus_lib
-from realm_jax.data import masking
+from realm_jax.data import masking, realm_records
 from realm_jax.data import prepare as local
 from realm_jax.data.prepared import PrepareError, is_eval
 
@@ -122,6 +122,8 @@ def supported(data) -> str:
         path = data[field]
         if field == "sentences" and not path:
             continue
+        if field == "sentences" and realm_records.is_release_text(path):
+            return f"data.sentences={path}: REALM's pre-training TFRecord shards are in-process"
         if os.path.isdir(path) or not corpus_lib.format_name(path).endswith(
             corpus_lib.LINE_FORMATS
         ):

@@ -115,11 +115,15 @@ class Masker:
         seed: int,
         stats,
         ner_processes: int = 1,
+        ner: bool = True,
     ):
+        """ner=False: the salient spans come with the text (REALM's annotated pre-training
+        shards, data/realm_records.py): no spaCy pipeline is loaded, and `candidates` is not
+        used; `choices` maps the given char spans as it maps NER's."""
         if mode not in ("salient", "random"):
             raise ValueError(f"data.masking must be 'salient' or 'random', got {mode!r}")
-        self.nlp = load_ner(ner_model) if mode == "salient" else None
-        if mode == "salient" and self.nlp is None:
+        self.nlp = load_ner(ner_model) if mode == "salient" and ner else None
+        if mode == "salient" and ner and self.nlp is None:
             log.warning("spaCy model %r is not installed: using random span masking", ner_model)
             print(f"WARNING: spaCy model {ner_model!r} not installed; using random masking")
             mode = "random"
@@ -131,6 +135,8 @@ class Masker:
         """Char-span candidates per sentence (streamed, in order)."""
         if self.mode == "random":
             return ([] for _ in texts)
+        if self.nlp is None:
+            raise ValueError("this Masker was made with ner=False: its spans come with the text")
         docs = self.nlp.pipe(texts, batch_size=256, n_process=self.ner_processes)
         return (
             sorted(set(entity_spans(d) + date_spans(t))) for d, t in zip(docs, texts, strict=False)

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from realm_jax import fs, workdir
 from realm_jax import tokenization as tk
-from realm_jax.data import block_records, masking
+from realm_jax.data import block_records, masking, realm_records
 from realm_jax.data import corpus as corpus_lib
 from realm_jax.data.prepared import (
     DATASETS,
@@ -197,10 +197,24 @@ def _split_key(data, doc_id: str, title: str) -> str:
     return title if data.eval_split_key == "title" and title else doc_id
 
 
-def _sentences(data, blocks, stats) -> tuple[list[str], list[int], list[str], list[bool]]:
-    """Pre-training sentences, their source block ids (-1 for separate text), doc ids and
-    whether each is held out for evaluation."""
-    if not data.sentences:
+def _sentences(data, blocks, stats):
+    """Pre-training sentences, their source block ids (-1 for separate text), doc ids,
+    whether each is held out for evaluation, and each one's salient span candidates when the
+    text brings them (REALM's annotated shards, data/realm_records.py; else None: NER finds
+    them)."""
+    given = None
+    if realm_records.is_release_text(data.sentences):
+        sub = collections.Counter()
+        docs = realm_records.read_documents(
+            data.sentences, skip_bad_input=data.skip_bad_input, stats=sub
+        )
+        pairs, given = [], []
+        for d, title, sents in docs:
+            for text, cands in sents:
+                pairs.append((text, -1, d, _split_key(data, d, title)))
+                given.append(cands)
+        stats.update({f"sentences_{k}": v for k, v in sub.items()})
+    elif not data.sentences:
         pairs = [
             (b.text[cs:ce], b.block_id, b.doc_id, _split_key(data, b.doc_id, b.title))
             for b in blocks
@@ -220,20 +234,24 @@ def _sentences(data, blocks, stats) -> tuple[list[str], list[int], list[str], li
         ]
     stats["sentences"] = len(pairs)
     held = [is_eval(p[3], data.eval_fraction, data.seed) for p in pairs]
-    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs], held
+    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs], held, given
 
 
 def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict], list[dict], str]:
     """Masked pre-training examples; returns (train records, held-out records, effective
     masking mode)."""
-    texts, block_ids, doc_ids, held = _sentences(data, blocks, stats)
+    texts, block_ids, doc_ids, held, given = _sentences(data, blocks, stats)
     encs = tk.wordpieces(texts)
     keep = [i for i, e in enumerate(encs) if len(e.ids) >= data.min_sentence_tokens]
     stats["skipped_short_sentence"] += len(texts) - len(keep)
-    masker = make_masker(data, stats, data.ner_processes)
-    cands = masker.candidates([texts[i] for i in keep])
+    masker = make_masker(data, stats, data.ner_processes, ner=given is None)
+    if given is None:
+        cands = masker.candidates([texts[i] for i in keep])
+    else:  # the annotated spans of REALM's shards: no NER
+        cands = [given[i] for i in keep] if masker.mode == "salient" else [[] for _ in keep]
     records, eval_records = [], []
-    desc = f"examples: {'NER' if masker.mode == 'salient' else 'random'} masking"
+    how = ("NER" if given is None else "annotated") if masker.mode == "salient" else "random"
+    desc = f"examples: {how} masking"
     pairs = zip(keep, cands, strict=False)
     with _progress(iterable=pairs, total=len(keep), desc=desc, unit="sent") as bar:
         for i, cand in bar:
@@ -252,8 +270,11 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
     return records, eval_records, masker.mode
 
 
-def make_masker(data, stats: collections.Counter, ner_processes: int) -> masking.Masker:
-    """The span chooser both engines use (the Beam one runs one per worker, ner_processes=1)."""
+def make_masker(
+    data, stats: collections.Counter, ner_processes: int, ner: bool = True
+) -> masking.Masker:
+    """The span chooser both engines use (the Beam one runs one per worker, ner_processes=1);
+    ner=False when the text brings its salient spans (no spaCy pipeline is loaded)."""
     return masking.Masker(
         data["masking"],
         ner_model=data["ner_model"],
@@ -263,6 +284,7 @@ def make_masker(data, stats: collections.Counter, ner_processes: int) -> masking
         seed=data["seed"],
         stats=stats,
         ner_processes=ner_processes,
+        ner=ner,
     )
 
 
@@ -321,6 +343,10 @@ def fingerprint(data) -> str:
     h = hashlib.sha256(f"realm-jax-prepare-v{FORMAT_VERSION}".encode())
     for field in ("corpus", "sentences"):
         src = data[field]
+        if field == "sentences" and realm_records.is_release_text(src):  # a glob too
+            for path in realm_records.input_files(src):
+                _hash_file(h, path)
+            continue
         if src and not fs.exists(src):
             where = "" if os.path.isabs(src) else f" (relative to {os.getcwd()})"
             raise corpus_lib.CorpusError(f"data.{field}={src!r}: no such file or folder{where}")
@@ -471,6 +497,13 @@ def choose_engine(data, beam_runner: str = "") -> str:
     if block_records.is_release_corpus(data.corpus):  # read in process (data/block_records.py)
         if engine == "beam" or beam_runner:
             raise PrepareError(f"{data.corpus}: release block records are prepared in process")
+        return "local"
+    if realm_records.is_release_text(data.sentences):  # read in process (data/realm_records.py)
+        if engine == "beam" or beam_runner:
+            raise PrepareError(
+                f"data.sentences={data.sentences}: REALM's pre-training TFRecord shards are "
+                "prepared in process (data.engine=local or auto, no --beam_runner)"
+            )
         return "local"
     if engine == "local":
         if beam_runner:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 
 import google_crc32c
@@ -44,12 +45,28 @@ def _open(path: str):
     return f
 
 
+def _reader(f, path: str):
+    """f.read that turns a GZIP stream's corruption or early end into TFRecordError."""
+
+    def read(size: int, n: int, offset: int) -> bytes:
+        try:
+            return f.read(size)
+        except (EOFError, OSError, zlib.error) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise TFRecordError(
+                f"{path}: record {n} (byte {offset}): unreadable data ({reason})"
+            ) from None
+
+    return read
+
+
 def read_records(path: str, *, verify: bool = True) -> Iterator[bytes]:
     """Yield every record's bytes in file order (record 0 first)."""
     with _open(path) as f:
+        read = _reader(f, path)
         n = offset = 0
         while True:
-            head = f.read(12)
+            head = read(12, n, offset)
             if not head:
                 return
             if len(head) < 12:
@@ -64,7 +81,7 @@ def read_records(path: str, *, verify: bool = True) -> Iterator[bytes]:
                     f"{path}: record {n} (byte {offset}): length checksum mismatch: the file "
                     "is corrupt (or not a TFRecord file)"
                 )
-            body = f.read(length + 4)
+            body = read(length + 4, n, offset)
             if len(body) < length + 4:
                 raise TFRecordError(
                     f"{path}: record {n} (byte {offset}): truncated: {length} data bytes + "
