@@ -32,6 +32,7 @@ from collections.abc import Iterator
 
 ENV_KEYS = (
     "STORAGE_EMULATOR_HOST",
+    "CLOUD_STORAGE_EMULATOR_ENDPOINT",
     "TENSORSTORE_GCS_HTTP_URL",
     "GOOGLE_AUTH_TOKEN_FOR_TESTING",
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
@@ -127,9 +128,12 @@ class FakeGCS:
     def env(self) -> dict[str, str]:
         """What a process needs to use this server for gs://: gcsfs and google-cloud-storage
         read STORAGE_EMULATOR_HOST, orbax's tensorstore TENSORSTORE_GCS_HTTP_URL (and wants
-        some token); gcsfs's zonal-bucket probe asks an API the server lacks."""
+        some token), array_record's google-cloud-cpp CLOUD_STORAGE_EMULATOR_ENDPOINT (set here,
+        so one module's server is never left behind for the next module's reads); gcsfs's
+        zonal-bucket probe asks an API the server lacks."""
         return {
             "STORAGE_EMULATOR_HOST": self.url,
+            "CLOUD_STORAGE_EMULATOR_ENDPOINT": self.url,
             "TENSORSTORE_GCS_HTTP_URL": self.url,
             "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-gcs",
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",

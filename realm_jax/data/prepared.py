@@ -169,9 +169,16 @@ def _native_gcs_env() -> None:
     CLOUD_STORAGE_EMULATOR_ENDPOINT; the Python clients (gcsfs, google-cloud-storage) by
     STORAGE_EMULATOR_HOST. Point the first at the second's emulator when only that is set, so
     both read the same store (the tests' fake GCS, a local emulator)."""
+    global _copied_endpoint
     host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if host and not os.environ.get("CLOUD_STORAGE_EMULATOR_ENDPOINT"):
-        os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = host
+    endpoint = os.environ.get("CLOUD_STORAGE_EMULATOR_ENDPOINT")
+    # follow STORAGE_EMULATOR_HOST when it moves (a new emulator), unless the endpoint was
+    # set by someone else
+    if host and (not endpoint or endpoint == _copied_endpoint):
+        os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = _copied_endpoint = host
+
+
+_copied_endpoint: str | None = None  # the endpoint _native_gcs_env set, if it did
 
 
 def _footer_bytes(records: int) -> int:
