@@ -174,7 +174,9 @@ def main() -> None:
     swaps.sort(key=lambda s: s["pid"])
     row_bytes = config.model.proj_size * 4
     lines = [
-        f"`python bench/refresh_1m.py --data_dir {args.data_dir}` on the {n:,}-block corpus "
+        f"`python bench/refresh_1m.py --data_dir {args.data_dir} --config {args.config} "
+        + " ".join(args.overrides)
+        + f"` on the {n:,}-block corpus "
         f"prepared by bench/prepare_scale.py; {args.config} with the document embedder shrunk "
         "to 1 layer x 32 (the embedding's own cost at base is bench/refresh_scale.py's); "
         "2 jax.distributed processes of 1 CPU device each, on this 2-core machine.",
@@ -183,9 +185,10 @@ def main() -> None:
         "|---|---|",
         f"| refresh job (2 processes): wall, start to exit | {refresh_wall:.0f} s |",
         f"| of which: restore the document embedder | {restore:.1f} s |",
-        f"| embed {blocks:,} blocks in {parts} parts (index/progress.json after each) | "
+        f"| embed {blocks:,} blocks in {parts} parts (index/progress.json after each), "
+        "gather to process 0 | "
         f"{embed:.0f} s = {rate:,.0f} blocks/s |",
-        f"| gather to process 0, publish (per-block SHA-256) | {total - restore - embed:.1f} s |",
+        f"| publish (per-block SHA-256, atomic) | {total - restore - embed:.1f} s |",
         f"| peak RSS of one refresh process | {peak_rss / 2**30:.2f} GiB |",
         f"| swap: 2 trainer processes start on it, wall | {swap_wall:.0f} s |",
     ]
