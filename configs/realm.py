@@ -130,7 +130,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Beam on a local runner (which holds a pipeline's data in memory): corpus KiB prepared per
     # round of pipelines, bounding memory; 0: the whole corpus at once. Other runners: ignored.
     c.data.beam_window_kb = 8192  # Beam, local runners: corpus KiB per round (above)
-    c.data.beam_shard_records = 65536  # Beam: records per array_record shard file
+    c.data.beam_shard_records = 65536  # Beam, and release block records: records per shard file
+    # release block records (blocks.tfr, block_records.npy) stream (data/release_prepare.py)
+    c.data.release_chunk_blocks = 4096  # blocks per chunk: memory follows it, not the corpus
 
     # ---------------------------------------------------------------- mesh
     c.mesh = ml_collections.ConfigDict()

@@ -246,6 +246,7 @@ RANGES = {
     "data.beam_chunk_kb": _at_least(1),
     "data.beam_window_kb": _at_least(0),
     "data.beam_shard_records": _at_least(1),
+    "data.release_chunk_blocks": _at_least(1),
     "data.eval_fraction": ((lambda v: 0 <= v < 1), "in [0, 1)"),
     "train.batch_size": _at_least(1),
     "train.eval_batch_size": _at_least(1),

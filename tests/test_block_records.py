@@ -3,6 +3,7 @@ blocks.tfr + titles.tfr and HF's block_records.npy (data/block_records.py), and 
 corpus whose block i is record i. Fixtures: tests/fixtures/release/, written by TensorFlow's
 TFRecordWriter and numpy's np.save (bench/make_release_fixtures.py)."""
 
+import collections
 import gzip
 import json
 import os
@@ -187,3 +188,82 @@ def test_prepare_from_release_blocks_keeps_record_order(tmp_path):
     cfg.data.engine = "beam"
     with pytest.raises(prepared.PrepareError, match="in process"):
         P.choose_engine(cfg.data)
+
+
+def _release_corpus(tmp_path, copies: int = 3) -> str:
+    """The fixture's 20 blocks `copies` times (60 blocks, 3 articles' worth of titles a copy),
+    so chunks and shards split inside articles and the held-out split has sentences."""
+    texts, titles = WRITTEN["texts"] * copies, WRITTEN["titles"] * copies
+    tr.write_records(str(tmp_path / "titles.tfr"), titles)
+    tr.write_records(str(tmp_path / "blocks.tfr"), texts)
+    return str(tmp_path / "blocks.tfr")
+
+
+def _arrays_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        g = got[k]
+        if isinstance(v, str):
+            assert g.decode() == v, k
+        else:
+            assert np.asarray(g).tolist() == np.asarray(v).tolist(), k
+
+
+def test_streamed_release_prepare_equals_the_in_memory_build(tmp_path):
+    """prepare streams release block records in chunks (data/release_prepare.py) into shards
+    of its own writer (data/shards.py): the datasets, ids and counts equal the in-memory build
+    of the same corpus (block_records.release_blocks + prepare.build_examples), with chunks and
+    shards cut mid-article."""
+    corpus = _release_corpus(tmp_path)
+    over = [
+        f"data.corpus={corpus}",
+        "data.masking=random",
+        "data.eval_fraction=0.3",
+        "data.release_chunk_blocks=7",
+        "data.beam_shard_records=11",
+    ]
+    cfg = load_config(os.path.join(REPO, "configs", "realm.py:smoke"), over)
+    ddir = str(tmp_path / "prepared")
+    summary = P.prepare(cfg, ddir)
+    stats = collections.Counter()
+    blocks = br.release_blocks(cfg.data, stats)
+    records, eval_records, mode = P.build_examples(cfg.data, blocks, stats)
+    stats["examples"], stats["eval_examples"] = len(records), len(eval_records)
+    assert mode == summary["masking"] == "random"
+    assert records and eval_records  # both splits are exercised
+    for key in ("documents", "blocks", "sentences", "examples", "eval_examples"):
+        assert summary["counts"][key] == stats[key], key
+    for key in ("salient_spans", "truncated_blocks", "skipped_short_sentence"):
+        assert summary["counts"].get(key, 0) == stats[key], key
+    assert summary["counts"]["blocks"] == 60 and summary["counts"]["documents"] > 3
+    src = prepared.blocks_source(ddir)
+    assert len(src) == 60
+    for b, got in zip(blocks, src.__getitems__(range(60)), strict=True):
+        _arrays_equal(got, P.block_record(b))
+    for split, want in (("train", records), ("eval", eval_records)):
+        got = prepared.examples_source(ddir, split)
+        assert len(got) == len(want)
+        for g, w in zip(got.__getitems__(range(len(want))), want, strict=True):
+            _arrays_equal(g, w)
+    shards = os.listdir(os.path.join(ddir, "blocks", "realm_blocks", "1.0.0"))
+    assert sorted(s for s in shards if "array_record" in s)[-1].endswith("-00005-of-00006")
+
+
+def test_streamed_release_prepare_stops_cleanly_at_a_corrupt_record(tmp_path):
+    """A damaged record far into the file stops prepare with its number, after blocks before it
+    were written: nothing is published, and a previous prepare there is kept."""
+    corpus = _release_corpus(tmp_path)
+    over = [f"data.corpus={corpus}", "data.masking=random", "data.release_chunk_blocks=4"]
+    cfg = load_config(os.path.join(REPO, "configs", "realm.py:smoke"), over)
+    ddir = str(tmp_path / "prepared")
+    first = P.prepare(cfg, ddir)
+    data = bytearray(open(corpus, "rb").read())
+    at = _offset(20) + _offset(20) + _offset(9)  # record 49
+    data[at + 20] ^= 0x01
+    open(corpus, "wb").write(bytes(data))
+    with pytest.raises(tr.TFRecordError, match=r"blocks.tfr: record 49 .*checksum mismatch"):
+        P.prepare(cfg, ddir, overwrite=True)
+    assert [n for n in os.listdir(ddir) if n.startswith(".prepare-tmp")] == []
+    # the build failed before publishing: the previous datasets and their summary stand
+    assert prepared.read_summary(ddir)["fingerprint"] == first["fingerprint"]
+    assert len(prepared.blocks_source(ddir)) == 60

@@ -84,7 +84,7 @@ from apache_beam.io.filesystems import CompressionTypes, FileSystems
 from realm_jax import fs
 from realm_jax import tokenization as tk
 from realm_jax.data import corpus as corpus_lib
-from realm_jax.data import masking, realm_records
+from realm_jax.data import masking, realm_records, shards
 from realm_jax.data import prepare as local
 from realm_jax.data.prepared import PrepareError, is_eval
 
@@ -628,10 +628,6 @@ def dataset_folder(tmp: str, name: str, cls) -> str:
     return fs.join(tmp, name, cls.name, str(cls.VERSION))
 
 
-def _stem(cls) -> str:
-    return f"{cls.name}-train.array_record"
-
-
 def _shard_parts(batch, base: int, per: int):
     """(first id, [records]) -> (shard in window, (first id, records)) pieces: shard s of a
     window holds ids base + s * per ... base + (s + 1) * per - 1."""
@@ -652,10 +648,7 @@ class WriteShard(beam.DoFn):
         self.cls, self.folder, self.window, self.base, self.per = cls, folder, window, base, per
 
     def setup(self):
-        from tensorflow_datasets.core import example_serializer
-
-        self.features = tfds.features.FeaturesDict(self.cls.FEATURES)
-        self.serializer = example_serializer.ExampleSerializer(self.features.get_serialized_info())
+        self.serialize = shards.serializer(self.cls)
 
     def process(self, shard_parts):
         from array_record.python.array_record_module import ArrayRecordWriter
@@ -672,12 +665,10 @@ class WriteShard(beam.DoFn):
                 if first != want + n:  # ids are dense: a gap or overlap is a bug, not data
                     raise RuntimeError(f"shard {shard}: records from id {first}, {want + n} due")
                 for rec in recs:
-                    writer.write(
-                        self.serializer.serialize_example(self.features.encode_example(rec))
-                    )
+                    writer.write(self.serialize(rec))
                 n += len(recs)
             writer.close()
-            name = f"{_stem(self.cls)}-w{self.window:05d}-{shard:05d}.n{n}"
+            name = shards.part_name(self.cls, self.window, shard, n)
             with (
                 open(local_path, "rb") as src,
                 FileSystems.create(fs.join(self.folder, name)) as dst,
@@ -706,19 +697,20 @@ def finalize(tmp: str, name: str, cls) -> int:
     record counts and sizes; returns the number of records (0: nothing was written and the
     dataset is left out, as TFDS cannot describe an empty one)."""
     folder = dataset_folder(tmp, name, cls)
-    found = FileSystems.match([fs.join(folder, f"{_stem(cls)}-w*")])[0].metadata_list
-    shards = []
+    found = FileSystems.match([fs.join(folder, f"{shards.stem(cls)}-w*")])[0].metadata_list
+    written = []
     for m in found:
         part = PART.search(m.path)
         if part is None:  # only WriteShard writes here: anything else is not ours to publish
             raise RuntimeError(f"{m.path}: not a shard this prepare wrote")
-        shards.append((tuple(int(g) for g in part.groups()), m.path, m.size_in_bytes))
-    shards.sort()
-    if not shards:
+        written.append((tuple(int(g) for g in part.groups()), m.path, m.size_in_bytes))
+    written.sort()
+    if not written:
         return 0
-    total, lengths = len(shards), [n for (_, _, n), _, _ in shards]
-    for i, (_, path, _) in enumerate(shards):
-        FileSystems.rename([path], [fs.join(folder, f"{_stem(cls)}-{i:05d}-of-{total:05d}")])
+    total, lengths = len(written), [n for (_, _, n), _, _ in written]
+    for i, (_, path, _) in enumerate(written):
+        final = fs.join(folder, f"{shards.stem(cls)}-{i:05d}-of-{total:05d}")
+        FileSystems.rename([path], [final])
     with tempfile.TemporaryDirectory() as scratch:
         info = cls(data_dir=scratch, file_format="array_record").info
     template = tfds.core.ShardedFileTemplate(
@@ -727,7 +719,7 @@ def finalize(tmp: str, name: str, cls) -> int:
     split = tfds.core.SplitInfo(
         name="train",
         shard_lengths=lengths,
-        num_bytes=sum(size for _, _, size in shards),
+        num_bytes=sum(size for _, _, size in written),
         filename_template=template,
     )
     info.set_splits(tfds.core.SplitDict([split]))

@@ -20,9 +20,11 @@ ORQA's pad_or_truncate_pair cuts them (title to block_len - 3 wordpieces, the te
 remains), so the release's block_emb, row for row, is an index of the prepared corpus (with
 block_len 288 and the release's uncased BERT vocabulary, realm_jax/assets/vocab.txt, its rows
 embed these token_ids, up to differences between HF tokenizers' WordPiece and BERT's
-FullTokenizer). Sentences and examples are then made from the blocks as for any corpus; a
-corpus of 13.35M blocks is held in memory by this in-process path (no Beam path yet).
-In code: `release_blocks(data, stats)` (what prepare calls), `read_release_blocks(path)`.
+FullTokenizer). Sentences and examples are then made from the blocks as for any corpus.
+prepare streams them (data/release_prepare.py: chunks of data.release_chunk_blocks, memory
+flat in the corpus; no Beam path). In code: `read_release_blocks(path)`, `release_chunk`
+(a chunk's blocks), `release_blocks(data, stats)` (all of them in memory: the reference the
+streamed path is tested against).
 """
 
 from __future__ import annotations
@@ -246,22 +248,43 @@ def release_block(
     )
 
 
+def release_chunk(
+    chunk: list[tuple[str, str]], first: int, block_len: int, stats: collections.Counter
+) -> list[corpus_lib.Block]:
+    """Blocks first, first + 1, ... from their (title, text) records, tokenised as one batch;
+    counts truncated_blocks."""
+    titles = tk.wordpieces([t for t, _ in chunk])
+    texts = tk.wordpieces([x for _, x in chunk])
+    sents = masking.split_sentences(x for _, x in chunk)
+    out = []
+    for (title, text), t, b, s in zip(chunk, titles, texts, sents, strict=True):
+        block = release_block(first + len(out), title, text, t, b, s, block_len)
+        kept = len(block.token_ids) - block.body_start - 1  # text wordpieces kept
+        stats["truncated_blocks"] += kept < len(b.ids)
+        out.append(block)
+    return out
+
+
+def count_documents(blocks: list[corpus_lib.Block], previous: str | None) -> tuple[int, str | None]:
+    """Articles starting in `blocks` (a run of consecutive blocks with one title is one
+    article: ORQA's blocks.tfr keeps an article's blocks together), and the last title."""
+    n = 0
+    for b in blocks:
+        n += b.title != previous
+        previous = b.title
+    return n, previous
+
+
 def release_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
-    """Every block of the release corpus data.corpus, block id i = record i (prepare's
-    build_blocks for release corpora)."""
+    """Every block of the release corpus data.corpus in memory, block id i = record i (the
+    reference for prepare's streaming path, data/release_prepare.py)."""
     blocks: list[corpus_lib.Block] = []
-    titles_seen: set[str] = set()
     pairs = read_release_blocks(data.corpus)
+    last = None
     while chunk := [p for _, p in zip(range(CHUNK), pairs)]:
-        titles = tk.wordpieces([t for t, _ in chunk])
-        texts = tk.wordpieces([x for _, x in chunk])
-        sents = masking.split_sentences(x for _, x in chunk)
-        for (title, text), t, b, s in zip(chunk, titles, texts, sents, strict=True):
-            block = release_block(len(blocks), title, text, t, b, s, data.block_len)
-            kept = len(block.token_ids) - block.body_start - 1  # text wordpieces kept
-            stats["truncated_blocks"] += kept < len(b.ids)
-            titles_seen.add(title)
-            blocks.append(block)
-    stats["documents"] = len(titles_seen)
+        new = release_chunk(chunk, len(blocks), data.block_len, stats)
+        n, last = count_documents(new, last)
+        stats["documents"] += n
+        blocks.extend(new)
     stats["blocks"] = len(blocks)
     return blocks

@@ -241,33 +241,48 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
     """Masked pre-training examples; returns (train records, held-out records, effective
     masking mode)."""
     texts, block_ids, doc_ids, held, given = _sentences(data, blocks, stats)
-    encs = tk.wordpieces(texts)
-    keep = [i for i, e in enumerate(encs) if len(e.ids) >= data.min_sentence_tokens]
-    stats["skipped_short_sentence"] += len(texts) - len(keep)
     masker = make_masker(data, stats, data.ner_processes, ner=given is None)
-    if given is None:
-        cands = masker.candidates([texts[i] for i in keep])
-    else:  # the annotated spans of REALM's shards: no NER
-        cands = [given[i] for i in keep] if masker.mode == "salient" else [[] for _ in keep]
     records, eval_records = [], []
-    how = ("NER" if given is None else "annotated") if masker.mode == "salient" else "random"
-    desc = f"examples: {how} masking"
-    pairs = zip(keep, cands, strict=False)
-    with _progress(iterable=pairs, total=len(keep), desc=desc, unit="sent") as bar:
-        for i, cand in bar:
-            spans = masker.choices(i, texts[i], encs[i].offsets, cand)
+    desc = f"examples: {masking_label(masker, given)} masking"
+    found = masked_sentences(data, masker, texts, given, stats)
+    with _progress(iterable=found, total=len(texts), desc=desc, unit="sent") as bar:
+        for i, enc, spans in bar:
             if not spans:
                 continue
             out = eval_records if held[i] else records
             out.append(
                 example_record(
-                    len(out), block_ids[i], doc_ids[i], texts[i], encs[i].ids, spans, data.query_len
+                    len(out), block_ids[i], doc_ids[i], texts[i], enc.ids, spans, data.query_len
                 )
             )
     stats["examples"] = len(records)
     stats["eval_examples"] = len(eval_records)
     stats["salient_spans"] = sum(len(r["span_starts"]) for r in records + eval_records)
     return records, eval_records, masker.mode
+
+
+def masking_label(masker: masking.Masker, given) -> str:
+    if masker.mode != "salient":
+        return "random"
+    return "NER" if given is None else "annotated"
+
+
+def masked_sentences(data, masker, texts: list[str], given, stats, base: int = 0):
+    """(i, wordpieces, spans) for every sentence texts[i], in order; spans is empty for a
+    sentence too short (counted as skipped_short_sentence) or without a usable span. given:
+    each sentence's annotated span candidates, or None (NER finds them). base: the index of
+    texts[0] among all the corpus's sentences (random masking's seed)."""
+    encs = tk.wordpieces(texts)
+    keep = [len(e.ids) >= data.min_sentence_tokens for e in encs]
+    stats["skipped_short_sentence"] += len(texts) - sum(keep)
+    kept = [i for i, k in enumerate(keep) if k]
+    if given is None:
+        cands = iter(masker.candidates([texts[i] for i in kept]))
+    else:  # the annotated spans of REALM's shards: no NER
+        cands = iter([given[i] if masker.mode == "salient" else [] for i in kept])
+    for i, (text, enc) in enumerate(zip(texts, encs, strict=True)):
+        spans = masker.choices(base + i, text, enc.offsets, next(cands)) if keep[i] else []
+        yield i, enc, spans
 
 
 def make_masker(
@@ -449,7 +464,10 @@ def _no_examples(data, stats, num_eval: int, mode: str) -> PrepareError:
 
 
 def _build_local(data, data_dir: str, stats) -> tuple[str, str]:
-    """The in-process path: the corpus in memory; returns (build folder, masking mode)."""
+    """The in-process path: the corpus in memory; returns (build folder, masking mode). The
+    release's block records stream instead (data/release_prepare.py)."""
+    if block_records.is_release_corpus(data.corpus):
+        return _build_release(data, data_dir, stats)
     blocks = build_blocks(data, stats)
     if not blocks:
         raise _no_blocks(data, stats)
@@ -461,6 +479,22 @@ def _build_local(data, data_dir: str, stats) -> tuple[str, str]:
     _write(RealmExamples, records, os.path.join(tmp, "examples"))
     if eval_records:  # TFDS cannot write an empty dataset; loaders say what is missing
         _write(RealmExamples, eval_records, os.path.join(tmp, "eval_examples"))
+    return tmp, mode
+
+
+def _build_release(data, data_dir: str, stats) -> tuple[str, str]:
+    from realm_jax.data import release_prepare
+
+    tmp = _fresh_tmp(data_dir)
+    try:
+        mode = release_prepare.build(data, tmp, stats)
+        if not stats["blocks"]:
+            raise _no_blocks(data, stats)
+        if not stats["examples"]:
+            raise _no_examples(data, stats, stats["eval_examples"], mode)
+    except BaseException:
+        fs.rmtree(tmp)
+        raise
     return tmp, mode
 
 
