@@ -11,8 +11,8 @@ path's (tests/test_block_records.py compares the two): block id i = record i, ex
 dense per split in sentence order, random masks seeded by the sentence's corpus-wide index.
 
 What still grows with the corpus: nothing of the blocks. HuggingFace's block_records.npy is a
-pickle, which cannot be read record by record: its texts are loaded whole first (~9 GB at
-13.35M); ORQA's blocks.tfr streams. A separate pre-training text (data.sentences) is prepared
+pickle, which cannot be read record by record: its texts are loaded whole first (the whole
+corpus's text); ORQA's blocks.tfr streams. A separate pre-training text (data.sentences) is prepared
 as for any corpus (in memory).
 """
 
