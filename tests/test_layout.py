@@ -9,7 +9,8 @@ from tests.conftest import REPO
 PKG = os.path.join(REPO, "realm_jax")
 # Lowest first. A module may import its own room and any room of a lower layer.
 LAYERS = [
-    {"config", "fs", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"},
+    {"config", "fs", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"}
+    | {"protowire"},
     {"data", "model", "ops"},
     {"index"},
     {"train"},

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import numpy as np
 from etils import epath
 
-from realm_jax import fs
+from realm_jax import fs, protowire
 from realm_jax.data import corpus as corpus_lib
 from realm_jax.data import tfrecord
 
@@ -63,46 +63,15 @@ class ExampleError(ValueError):
 
 # ------------------------------------------------------------ tf.train.Example wire format
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ExampleError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ExampleError("varint longer than 10 bytes")
+    return protowire.varint(buf, pos, ExampleError)
 
 
 def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """(field number, wire type, value) of each field of a message, in order: an int for
-    varints, bytes for the other wire types (groups are not used by tf.train.Example)."""
-    pos, n = 0, len(buf)
-    while pos < n:
-        key, pos = _varint(buf, pos)
-        num, wire = key >> 3, key & 7
-        if num == 0:
-            raise ExampleError("field number 0")
-        if wire == 0:
-            val, pos = _varint(buf, pos)
-        elif wire in (1, 2, 5):
-            if wire == 2:
-                size, pos = _varint(buf, pos)
-            else:
-                size = 8 if wire == 1 else 4
-            if pos + size > n:
-                raise ExampleError(f"field {num} runs past the end of its message")
-            val, pos = buf[pos : pos + size], pos + size
-        else:
-            raise ExampleError(f"field {num}: unsupported wire type {wire}")
-        yield num, wire, val
+    """(field number, wire type, value) of each field of a message, in order."""
+    return protowire.fields(buf, ExampleError)
 
 
-def _int64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
+_int64 = protowire.int64
 
 
 def _int64_list(buf: bytes) -> list[int]:

@@ -29,7 +29,7 @@ import re
 import google_crc32c
 import numpy as np
 
-from realm_jax import fs
+from realm_jax import fs, protowire
 
 TABLE_MAGIC = 0xDB4775248B80FB57  # LevelDB's table magic, kept by TensorFlow's table format
 FOOTER_LEN = 48  # two block handles padded to 40 bytes, then the 8-byte magic
@@ -73,48 +73,21 @@ def crc32c(data, crc: int = 0) -> int:
 # ------------------------------------------------------------------------- protobuf wire format
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     """(value, next position) of the base-128 varint at buf[pos]."""
-    value = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise CheckpointError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise CheckpointError("malformed varint")
+    return protowire.varint(buf, pos, CheckpointError)
 
 
 def proto_fields(buf: bytes) -> dict[int, list]:
     """{field number: [values]} of a serialized protobuf message: ints for varint and fixed
     fields, bytes for length-delimited ones (sub-messages are parsed by the caller)."""
     out: dict[int, list] = {}
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
-        elif wire == 2:
-            n, pos = _varint(buf, pos)
-            value, pos = bytes(buf[pos : pos + n]), pos + n
-        elif wire == 5:
-            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
-        else:
-            raise CheckpointError(f"unsupported protobuf wire type {wire} (field {field})")
-        if pos > len(buf):
-            raise CheckpointError("truncated protobuf message")
+    for field, wire, value in protowire.fields(buf, CheckpointError):
+        if wire in (1, 5):
+            value = int.from_bytes(value, "little")
         out.setdefault(field, []).append(value)
     return out
 
 
-def _int64(value: int) -> int:
-    """A varint read as protobuf's int64 (negative numbers are 10-byte two's complement)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
+_int64 = protowire.int64
 
 
 def _first(fields: dict, number: int, default=0):
