@@ -486,8 +486,14 @@ def _build_release(data, data_dir: str, stats) -> tuple[str, str]:
     from realm_jax.data import release_prepare
 
     tmp = _fresh_tmp(data_dir)
+    return _checked(data, tmp, stats, lambda: release_prepare.build(data, tmp, stats))
+
+
+def _checked(data, tmp: str, stats, build) -> tuple[str, str]:
+    """(tmp, masking mode) after build() fills the build folder tmp and the counts; no blocks
+    or no examples stops with the reason, and any failure removes tmp (nothing published)."""
     try:
-        mode = release_prepare.build(data, tmp, stats)
+        mode = build()
         if not stats["blocks"]:
             raise _no_blocks(data, stats)
         if not stats["examples"]:
@@ -511,16 +517,8 @@ def _build_beam(data, data_dir: str, stats, runner: str, options: str) -> tuple[
     # A gs:// data_dir is built in place (<data_dir>/.prepare-tmp-<pid>/): the workers write
     # their shards there themselves, which is what lets a Dataflow job write at all.
     tmp = _fresh_tmp(data_dir, shared=fs.is_remote(data_dir))
-    try:
-        mode = beam_prepare.build(data, tmp, stats, runner=runner, options=options)
-        if not stats["blocks"]:
-            raise _no_blocks(data, stats)
-        if not stats["examples"]:
-            raise _no_examples(data, stats, stats["eval_examples"], mode)
-    except BaseException:
-        fs.rmtree(tmp)
-        raise
-    return tmp, mode
+    build = functools.partial(beam_prepare.build, data, tmp, stats, runner=runner, options=options)
+    return _checked(data, tmp, stats, build)
 
 
 def choose_engine(data, beam_runner: str = "") -> str:
