@@ -267,3 +267,25 @@ def test_streamed_release_prepare_stops_cleanly_at_a_corrupt_record(tmp_path):
     # the build failed before publishing: the previous datasets and their summary stand
     assert prepared.read_summary(ddir)["fingerprint"] == first["fingerprint"]
     assert len(prepared.blocks_source(ddir)) == 60
+
+
+def test_release_blocks_with_a_separate_pretraining_text(tmp_path):
+    """Release blocks stream; a separate text (data.sentences, the paper's CC-News side) gives
+    the examples, all with block id -1, as for any corpus."""
+    corpus = _release_corpus(tmp_path, copies=1)
+    text = tmp_path / "news.jsonl"
+    lines = [
+        {"id": f"n{i}", "title": f"News {i}", "text": " ".join(WRITTEN["texts"][i : i + 2])}
+        for i in range(0, 20, 2)
+    ]
+    text.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    over = [f"data.corpus={corpus}", f"data.sentences={text}", "data.masking=random"]
+    cfg = load_config(os.path.join(REPO, "configs", "realm.py:smoke"), over)
+    ddir = str(tmp_path / "prepared")
+    summary = P.prepare(cfg, ddir)
+    assert summary["counts"]["blocks"] == 20 and summary["counts"]["examples"] > 0
+    ex = prepared.examples_source(ddir, "train")
+    assert {int(r["block_id"]) for r in ex.__getitems__(range(len(ex)))} == {-1}
+    assert {r["doc_id"].decode() for r in ex.__getitems__(range(len(ex)))} <= {
+        x["id"] for x in lines
+    }

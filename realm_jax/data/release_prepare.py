@@ -66,8 +66,9 @@ def build(data, tmp: str, stats: collections.Counter) -> str:
     blocks_out = writer("blocks", P.RealmBlocks)
     from_blocks = not data.sentences  # else the text's examples, as for any corpus (below)
     masker = P.make_masker(data, stats, data.ner_processes) if from_blocks else None
-    examples = {False: writer("examples", P.RealmExamples)}
+    examples = {}
     if from_blocks:
+        examples[False] = writer("examples", P.RealmExamples)
         examples[True] = writer("eval_examples", P.RealmExamples)
     spans = sentences = 0
     last_title, done_bytes = None, 0
@@ -93,8 +94,7 @@ def build(data, tmp: str, stats: collections.Counter) -> str:
         stats["salient_spans"] = spans
         mode = masker.mode
     else:
-        examples[False].close()  # nothing written: the text's examples go the in-memory way
-        records, eval_records, mode = P.build_examples(data, [], stats)
+        records, eval_records, mode = P.build_examples(data, [], stats)  # the text's, in memory
         if records:
             P._write(P.RealmExamples, records, os.path.join(tmp, "examples"))
         if eval_records:
