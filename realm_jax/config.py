@@ -271,6 +271,7 @@ RANGES = {
     "refresh.wait_seconds": _at_least(0),
     "refresh.progress_every_blocks": _at_least(1),
     "ict.mask_rate": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
+    "qa.bm25_weight": _at_least(0),
 }
 for _part in ("embedder", "reader"):
     for _field in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):

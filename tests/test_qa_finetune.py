@@ -159,7 +159,8 @@ def test_finetune_learns_keeps_the_best_and_evaluates(files, tmp_path):
     assert best.all_steps() == [best.best_step()]  # only the best one is kept
 
     for retriever in ("dense", "bm25"):
-        r = _cli(root, ddir, work, "evaluate", "--retriever", retriever, "--limit", "16")
+        weight = ("--config.qa.bm25_weight=0.5",) if retriever == "bm25" else ()
+        r = _cli(root, ddir, work, "evaluate", "--retriever", retriever, "--limit", "16", *weight)
         assert r.returncode == 0, r.stderr[-3000:]
         out = os.path.join(paths.eval_dir(work), f"qa.{retriever}")
         metrics = json.load(open(out + ".metrics.json"))
@@ -169,6 +170,15 @@ def test_finetune_learns_keeps_the_best_and_evaluates(files, tmp_path):
         assert {"question", "prediction", "gold", "correct", "top_blocks"} <= set(preds[0])
         assert len(preds[0]["top_blocks"]) == 3 and "title" in preds[0]["top_blocks"][0]
         assert 0 <= metrics["recall@1"] <= metrics["recall@2"] <= metrics["recall@4"] <= 1
+        # each block read carries its own best span: the prediction is the span of the block
+        # with the best span score + retrieval score (dense relevance; 0.5 x BM25's score)
+        for p in preds:
+            top = p["top_blocks"]
+            added = [b["score"] if retriever == "dense" else 0.5 * b["bm25"] for b in top]
+            joint = [b["span_score"] + a for b, a in zip(top, added)]
+            chosen = top[int(np.argmax(joint))]
+            assert chosen["id"] == p["block"]["id"] and chosen["span"] == p["prediction"], p
+            np.testing.assert_allclose(max(joint), p["score"], rtol=1e-5, atol=1e-5)
 
     r = _cli(
         root, ddir, work, "evaluate", "--retriever", "bm25", "--limit", "16", "--retrieval_only"

@@ -104,6 +104,9 @@ class Predictor:
         self.config, self.mesh, self.index, self.retriever = config, mesh, index, retriever
         self.ks = tuple(sorted({int(k) for k in q.recall_ks}))
         self.reader_beam = int(q.reader_beam_size)
+        # reading BM25's blocks: its scores x qa.bm25_weight are the retrieval scores added to
+        # the span scores (the dense relevance of another retriever's blocks is not one)
+        self.bm25_weight = float(q.get("bm25_weight", 0.0))
         self.depth = min(max(self.ks + (self.reader_beam,)), index.num_blocks)
         self.blocks = prepared.blocks_source(data_dir)
         self.gold_table = None
@@ -192,9 +195,13 @@ class Predictor:
                 ids, scores = self._retrieve(params, [e.question for e in padded], q_ids)
             pred = None
             if read:
+                R = self.reader_beam
+                added = None  # dense (and gold): the dense relevance, as in training
+                if self.retriever == "bm25":
+                    added = (self.bm25_weight * scores[:, :R]).astype(np.float32)
                 pred = sharding.to_host(
                     self._predict(
-                        params, q_ids, ids[:, : self.reader_beam], self.index.emb, self.index.tokens
+                        params, q_ids, ids[:, :R], self.index.emb, self.index.tokens, added
                     )
                 )
             has = np.array(
@@ -209,7 +216,7 @@ class Predictor:
                 if ex.is_regex:  # regex answers: search the blocks' text on the host
                     has[b] = [self._regex_in_block(ex.answers, j) for j in ids[b]]
                 if read:
-                    rec = self._record(ex, ids[b], pred, b, has[b])
+                    rec = self._record(ex, ids[b], pred, b, has[b], scores)
                 else:
                     rec = self._retrieved(ex, ids[b], scores[b], has[b])
                 if gold:
@@ -261,7 +268,11 @@ class Predictor:
             "top_blocks": [],
         }
 
-    def _record(self, ex, ids, pred, b: int, has) -> dict:
+    def _record(self, ex, ids, pred, b: int, has, scores=None) -> dict:
+        """One question's record. top_blocks: each block read, with its retrieval score
+        (score: the dense relevance; bm25: BM25's own score, for the BM25 retriever) and its
+        own best span (span, span_score: the reader's span logit alone), so another way of
+        combining the two can be scored from the file."""
         r = int(pred["best_block"][b])
         rec = self._block(ids[r])
         title = rec["title"].decode()
@@ -277,15 +288,25 @@ class Predictor:
             if self.retriever == "gold" and int(ids[j]) in seen:  # a short passage, repeated
                 continue
             seen.add(int(ids[j]))
-            t = self._block(ids[j])["title"].decode()
-            top.append(
-                {
-                    "id": int(ids[j]),
-                    "title": t,
-                    "score": float(pred["relevance"][b, j]),
-                    "has_answer": bool(has[j]),
-                }
-            )
+            blk = self._block(ids[j])
+            t = blk["title"].decode()
+            entry = {
+                "id": int(ids[j]),
+                "title": t,
+                "score": float(pred["relevance"][b, j]),
+                "has_answer": bool(has[j]),
+                "span": span_text(
+                    t,
+                    blk["text"].decode(),
+                    blk["token_ids"],
+                    int(pred["block_start"][b, j]),
+                    int(pred["block_end"][b, j]),
+                ),
+                "span_score": float(pred["block_span_score"][b, j]),
+            }
+            if self.retriever == "bm25":
+                entry["bm25"] = float(scores[b, j])
+            top.append(entry)
         return {
             "question": ex.question,
             "prediction": answer,

@@ -316,27 +316,48 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
     return sharding.traced_in_mesh(jitted, mesh)
 
 
-def predict(params, question_ids, block_ids, index_emb, index_tokens, *, model, mesh, length):
+def predict(
+    params,
+    question_ids,
+    block_ids,
+    index_emb,
+    index_tokens,
+    retrieval=None,
+    *,
+    model,
+    mesh,
+    length,
+):
     """Read the given blocks (any retriever's: the dense top-R, BM25's) and pick the best span
     of all, scored as in training (span score + the block's retrieval score, ORQA's
-    get_predictions). Returns a dict: relevance [B, R], best_block [B] (index into
-    block_ids), start / end [B] (block-token positions, the block's [CLS] at 0), score [B]."""
+    get_predictions). retrieval [B, R]: the blocks' retrieval scores to add instead of the
+    dense relevance (BM25's, scaled by qa.bm25_weight); None: the dense relevance, as ORQA.
+    Returns a dict: relevance [B, R] (the dense relevance), best_block [B] (index into
+    block_ids), start / end [B] (block-token positions, the block's [CLS] at 0), score [B],
+    and each block's own best span: block_span_score [B, R] (the reader's span logit alone),
+    block_start / block_end [B, R]."""
     q = embed_query_tokens(model, params, question_ids)
     rows = mips.fetch_rows(mesh, index_emb, block_ids)
     tokens = mips.fetch_rows(mesh, index_tokens, block_ids)
     rel = jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype))
+    added = rel if retrieval is None else retrieval.astype(rel.dtype)
     logits, starts, ends, _, _ = read(params, question_ids, tokens, model=model, length=length)
     B, _, S = logits.shape
-    joint = (logits + rel[..., None]).reshape(B, -1)
+    joint = (logits + added[..., None]).reshape(B, -1)
     best = jnp.argmax(joint, axis=-1)
     span = best % S
     qlen = (question_ids != 0).sum(-1)  # reader position p holds block token p - qlen + 1
+    starts, ends = jnp.asarray(starts), jnp.asarray(ends)
+    own = jnp.argmax(logits, axis=-1)  # [B, R]: each block's best span
     return {
         "relevance": rel,
         "best_block": best // S,
-        "start": jnp.asarray(starts)[span] - qlen + 1,
-        "end": jnp.asarray(ends)[span] - qlen + 1,
+        "start": starts[span] - qlen + 1,
+        "end": ends[span] - qlen + 1,
         "score": jnp.max(joint, axis=-1),
+        "block_span_score": jnp.max(logits, axis=-1),
+        "block_start": starts[own] - qlen[:, None] + 1,
+        "block_end": ends[own] - qlen[:, None] + 1,
     }
 
 
