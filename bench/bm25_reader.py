@@ -11,6 +11,10 @@ weight of a grid from that file: the weight is chosen on the dev questions (the 
 `--dev` held-out ones, the set `finetune` picks its best checkpoint on) and reported on the
 others, with 95% bootstrap intervals, beside two bounds: BM25's first block alone and an
 oracle that picks a block whose span is right whenever one is.
+
+`--retriever dense` scores the same way a reader on the dense retriever's top blocks, the
+weight scaling the dense relevance that ORQA adds as it is (weight 1): a check of how well
+fine-tuning calibrated the two scores against each other, not a setting of realm-jax.
 """
 
 from __future__ import annotations
@@ -33,20 +37,20 @@ from _report import write_section  # noqa: E402
 from realm_jax.qa import answers as qa_answers  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results.md")
-GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 TOP1 = float("inf")  # BM25's first block alone (its own best span)
 
 
 def evaluate(args) -> str:
     """Run (or reuse, --reuse) `evaluate --retriever bm25` -> the predictions file."""
-    out = os.path.join(args.workdir, "eval", f"bm25-beam{args.beam}-blocks")
+    out = os.path.join(args.workdir, "eval", f"{args.retriever}-beam{args.beam}-blocks")
     preds = out + ".predictions.jsonl"
     if args.reuse and os.path.exists(preds):
         print(f"reusing {preds}")
         return preds
     cmd = [
         sys.executable, "-m", "realm_jax", "evaluate", "--config", args.config,
-        "--workdir", args.workdir, "--retriever", "bm25", "--output", out,
+        "--workdir", args.workdir, "--retriever", args.retriever, "--output", out,
         f"--config.qa.reader_beam_size={args.beam}", "--config.qa.bm25_weight=0",
         *[f"--config.{o}" for o in args.override],
     ]  # fmt: skip
@@ -57,12 +61,13 @@ def evaluate(args) -> str:
     return preds
 
 
-def choose(record: dict, weight: float) -> dict:
-    """The block a weight picks: best span score + weight x BM25 score (inf: BM25's first)."""
+def choose(record: dict, weight: float, field: str = "bm25") -> dict:
+    """The block a weight picks: best span score + weight x its retrieval score (field: bm25,
+    or score for the dense relevance; inf: the retriever's first block)."""
     top = record["top_blocks"]
     if weight == TOP1:
         return top[0]
-    return max(top, key=lambda b: b["span_score"] + weight * b["bm25"])
+    return max(top, key=lambda b: b["span_score"] + weight * b[field])
 
 
 def correct(record: dict, block: dict) -> bool:
@@ -88,7 +93,8 @@ def main() -> None:
     ap.add_argument("--workdir", required=True, help="the reader's workdir (its latest/best)")
     ap.add_argument("--config", default="configs/orqa.py:squad_read")
     ap.add_argument("--override", action="append", default=[], help="extra config overrides")
-    ap.add_argument("--beam", type=int, default=5, help="BM25's blocks read per question")
+    ap.add_argument("--retriever", choices=("bm25", "dense"), default="bm25")
+    ap.add_argument("--beam", type=int, default=5, help="blocks read per question")
     ap.add_argument("--dev", type=int, default=500, help="first held-out questions: dev")
     ap.add_argument("--label", default="the reading phase's reader (the suite's `read` stage)")
     ap.add_argument("--reuse", action="store_true", help="reuse an earlier predictions file")
@@ -100,8 +106,11 @@ def main() -> None:
         raise SystemExit(f"{len(records)} questions: need more than --dev {args.dev}")
     dev, test = records[: args.dev], records[args.dev :]
 
+    field = "bm25" if args.retriever == "bm25" else "score"
+    who = "BM25" if args.retriever == "bm25" else "the dense retriever"
+
     def em(recs, w) -> np.ndarray:
-        return np.array([correct(r, choose(r, w)) for r in recs], np.float64)
+        return np.array([correct(r, choose(r, w, field)) for r in recs], np.float64)
 
     rows, best_w, best_dev = [], None, -1.0
     for w in GRID + (TOP1,):
@@ -114,17 +123,20 @@ def main() -> None:
     everything = em(records, best_w)
 
     def name(w):
-        return "BM25's first block alone" if w == TOP1 else f"{w:g}"
+        return f"{who}'s first block alone" if w == TOP1 else f"{w:g}"
 
     lines = [
-        f"`python bench/bm25_reader.py --workdir {args.workdir} --config {args.config}"
+        f"`python bench/bm25_reader.py --retriever {args.retriever} --workdir {args.workdir} "
+        f"--config {args.config}"
         + "".join(f" --override {o}" for o in args.override)
-        + f"`: {args.label} on BM25's top {args.beam} blocks of the {len(records):,} held-out "
-        f"SQuAD questions, evaluated once; each weight picks, per question, the block whose own "
-        f"best span has the best span score + weight x BM25 score. The weight is chosen on the "
+        + f"`: {args.label} on {who}'s top {args.beam} blocks of the {len(records):,} "
+        f"held-out SQuAD questions, evaluated once; each weight picks, per question, the block "
+        f"whose own best span has the best span score + weight x {who}'s score. The weight is "
+        "chosen on the "
         f"first {args.dev} questions (dev) and reported on the other {len(test):,} (test).",
         "",
-        "| qa.bm25_weight | dev EM | test EM [95% CI] |",
+        f"| {'qa.bm25_weight' if field == 'bm25' else 'weight on the dense relevance'} "
+        "| dev EM | test EM [95% CI] |",
         "|---|---|---|",
     ]
     for w, d, t in rows:
@@ -133,14 +145,19 @@ def main() -> None:
     lines += [
         f"| oracle: a block with a right span whenever there is one | - | {cell(oracle)} |",
         "",
-        f"BM25's recall@{args.beam} on the test questions: {100 * recall.mean():.1f}%. With the "
+        f"{who}'s recall@{args.beam} on the test questions: {100 * recall.mean():.1f}%. With the "
         f"chosen weight ({best_w:g}), EM on all {len(records):,} held-out questions: "
-        f"{cell(everything)} (the span scores alone: {cell(em(records, 0.0))}).",
+        f"{cell(everything)} (the span scores alone: {cell(em(records, 0.0))}"
+        + (f"; weight 1, ORQA's: {cell(em(records, 1.0))})." if field == "score" else ")."),
     ]
     body = "\n".join(lines)
     print(body)
     if not args.no_doc:
-        write_section("A reader on BM25's blocks: span scores and BM25's scores", body, RESULTS)
+        title = {
+            "bm25": "A reader on BM25's blocks: span scores and BM25's scores",
+            "dense": "A reader on the dense retriever's blocks: span scores and relevance",
+        }[args.retriever]
+        write_section(title, body, RESULTS)
 
 
 if __name__ == "__main__":
