@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from _report import write_section  # noqa: E402
 
+from bench.ablations import bootstrap  # noqa: E402
 from realm_jax.qa import answers as qa_answers  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results.md")
@@ -72,15 +73,6 @@ def choose(record: dict, weight: float, field: str = "bm25") -> dict:
 
 def correct(record: dict, block: dict) -> bool:
     return bool(record["gold"]) and qa_answers.is_correct(record["gold"], block["span"], False)
-
-
-def bootstrap(values: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = np.random.default_rng(seed)
-    means = np.array(
-        [values[rng.integers(0, len(values), len(values))].mean() for _ in range(resamples)]
-    )
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(lo), float(hi)
 
 
 def cell(values: np.ndarray) -> str:
