@@ -160,6 +160,22 @@ def test_per_question_reads_the_evaluate_records():
     assert bench.cell(records, "recall@5").startswith("50.0 [")
 
 
+def test_bm25_reader_picks_the_block_by_span_score_plus_weighted_retrieval_score():
+    bench = _bench("bm25_reader")
+    top = [  # BM25 ranks the wrong block first; its span scores prefer the other one
+        {"span": "Paris", "span_score": 1.0, "bm25": 20.0, "score": -6.0, "has_answer": False},
+        {"span": "Lyon", "span_score": 3.0, "bm25": 17.0, "score": -5.0, "has_answer": True},
+    ]
+    rec = {"gold": ["lyon"], "top_blocks": top}
+    # 1.0 + 20w > 3.0 + 17w exactly when w > 2/3 (computed by hand)
+    assert bench.choose(rec, 0.0)["span"] == "Lyon"
+    assert bench.choose(rec, 0.5)["span"] == "Lyon"
+    assert bench.choose(rec, 1.0)["span"] == "Paris"
+    assert bench.choose(rec, bench.TOP1)["span"] == "Paris"  # the retriever's first block
+    assert bench.choose(rec, 1.0, "score")["span"] == "Lyon"  # the dense relevance instead
+    assert bench.correct(rec, top[1]) and not bench.correct(rec, top[0])  # ORQA's normalisation
+
+
 def test_the_arms_share_one_prepared_folder(tmp_path):
     """The masks are drawn at read time: the four arms train on one prepared folder (a sweep
     refused them once, their data sections differing in data.mask_mode)."""
