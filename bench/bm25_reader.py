@@ -7,9 +7,9 @@ is not ORQA's retriever, so `evaluate --retriever bm25` adds BM25's score times
 `qa.bm25_weight` (0: the span scores alone), an interpolation as in BERTserini. This script
 evaluates the reader once on BM25's top `--beam` blocks of the held-out questions (each
 record carries every block's own best span, span score and BM25 score), then scores each
-weight of a grid from that file: the weight is chosen on the dev questions (the first
-`--dev` held-out ones, the set `finetune` picks its best checkpoint on) and reported on the
-others, with 95% bootstrap intervals, beside two bounds: BM25's first block alone and an
+weight of a grid from that file: the weight is chosen on the dev questions (`--dev` held-out
+ones spread through the file, the set `finetune` picks its best checkpoint on) and reported on
+the others, with 95% bootstrap intervals, beside two bounds: BM25's first block alone and an
 oracle that picks a block whose span is right whenever one is.
 
 `--retriever dense` scores the same way a reader on the dense retriever's top blocks, the
@@ -36,6 +36,7 @@ from _report import write_section  # noqa: E402
 
 from bench.ablations import bootstrap  # noqa: E402
 from realm_jax.qa import answers as qa_answers  # noqa: E402
+from realm_jax.qa import data as qa_data  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results.md")
 GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], help="extra config overrides")
     ap.add_argument("--retriever", choices=("bm25", "dense"), default="bm25")
     ap.add_argument("--beam", type=int, default=5, help="blocks read per question")
-    ap.add_argument("--dev", type=int, default=500, help="first held-out questions: dev")
+    ap.add_argument("--dev", type=int, default=500, help="dev questions (spread out)")
     ap.add_argument("--label", default="the reading phase's reader (the suite's `read` stage)")
     ap.add_argument("--reuse", action="store_true", help="reuse an earlier predictions file")
     ap.add_argument("--no-doc", action="store_true", help="print, do not write docs/results.md")
@@ -96,7 +97,9 @@ def main() -> None:
     records = [json.loads(line) for line in open(evaluate(args))]
     if len(records) <= args.dev:
         raise SystemExit(f"{len(records)} questions: need more than --dev {args.dev}")
-    dev, test = records[: args.dev], records[args.dev :]
+    picks = set(qa_data.spread(args.dev, len(records)))  # finetune's dev questions
+    dev = [r for i, r in enumerate(records) if i in picks]
+    test = [r for i, r in enumerate(records) if i not in picks]
 
     field = "bm25" if args.retriever == "bm25" else "score"
     who = "BM25" if args.retriever == "bm25" else "the dense retriever"
@@ -124,8 +127,8 @@ def main() -> None:
         + f"`: {args.label} on {who}'s top {args.beam} blocks of the {len(records):,} "
         f"held-out SQuAD questions, evaluated once; each weight picks, per question, the block "
         f"whose own best span has the best span score + weight x {who}'s score. The weight is "
-        "chosen on the "
-        f"first {args.dev} questions (dev) and reported on the other {len(test):,} (test).",
+        f"chosen on {args.dev} questions spread through the file (dev, the set `finetune` "
+        f"picks its checkpoint on) and reported on the other {len(test):,} (test).",
         "",
         f"| {'qa.bm25_weight' if field == 'bm25' else 'weight on the dense relevance'} "
         "| dev EM | test EM [95% CI] |",

@@ -155,6 +155,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.warmup_steps = 10 if variant == "smoke" else -1  # -1: min(1e4, max(100, steps/10))
     c.train.weight_decay = 0.01  # AdamW decay, not on LayerNorm or biases
     c.train.embedder_lr_scale = 1.0  # the embedders' LR relative to train.lr (release: 1)
+    # the first N steps train the reader alone, the retriever frozen (a reader warm-up, not in
+    # the release: REALM there starts from a BERT-base reader that already fills in blanks)
+    c.train.embedders_frozen_steps = 0  # steps before the embedders train; 0 = from the start
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2

@@ -254,6 +254,7 @@ RANGES = {
     "train.lr": ((lambda v: v > 0), "positive"),
     "train.warmup_steps": ((lambda v: v >= -1), "-1 (automatic) or at least 0"),
     "train.embedder_lr_scale": _at_least(0),
+    "train.embedders_frozen_steps": _at_least(0),
     "train.weight_decay": _at_least(0),
     "train.grad_clip": ((lambda v: v > 0), "positive"),
     "train.mlm_vocab_chunk": ((lambda v: v >= -1), "-1 (dense logits), 0 (all) or positive"),

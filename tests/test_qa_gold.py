@@ -306,3 +306,20 @@ def test_initial_publishes_the_warm_starts_index_and_the_cli_takes_the_new_optio
         p.parse_args(["ask", "--workdir", "w", "--retriever", "gold"])
     args.retriever = "gold"  # nothing to retrieve: refused before any work
     assert qa_commands.evaluate(cfg, args) == 2
+
+
+def test_dev_questions_are_spread_through_the_file(monkeypatch):
+    """train.eval_examples dev questions are evenly spaced (a file groups an article's
+    questions together: the first n came from a few articles): 10 questions, 4 picked ->
+    positions 0, 2, 5, 7 (floor(i * 10 / 4)); 0 or more than the file: all of them."""
+    import ml_collections
+
+    file = [f"q{i}" for i in range(10)]
+    monkeypatch.setattr(qa_data, "load_questions", lambda *a: list(file))
+    cfg = ml_collections.ConfigDict(
+        {"qa": {"dev_file": "", "format": "", "dev_holdout": ""}, "train": {"eval_examples": 4}}
+    )
+    assert qa_data.dev_questions(cfg, "") == ["q0", "q2", "q5", "q7"]
+    for n in (0, 10, 25):
+        cfg.train.eval_examples = n
+        assert qa_data.dev_questions(cfg, "") == file

@@ -409,6 +409,48 @@ def test_embedder_lr_scale_scales_only_the_embedders_steps():
     np.testing.assert_allclose(updates["reader"]["w"], -1.0)
 
 
+def test_embedders_frozen_steps_hold_the_embedders_then_release_them():
+    """train.embedders_frozen_steps (the reader warm-up): through make_optimizer's AdamW with
+    weight decay, the embedders stay bit-identical for the first N updates while the reader
+    moves; from update N+1 they move at embedder_lr_scale x the reader's step (SGD check)."""
+    import ml_collections
+    import optax
+
+    from realm_jax.train.optimizer import make_optimizer, scale_networks
+
+    params = {n: {"w": jnp.ones(3)} for n in ("query_embedder", "doc_embedder", "reader")}
+    grads = jax.tree.map(lambda x: 2 * x, params)
+    train = ml_collections.ConfigDict(
+        dict(
+            steps=10,
+            lr=0.1,
+            warmup_steps=0,
+            weight_decay=0.5,
+            grad_clip=1.0,
+            adam_b1=0.9,
+            adam_b2=0.999,
+            adam_eps=1e-6,
+            embedder_lr_scale=1.0,
+            embedders_frozen_steps=2,
+        )
+    )
+    opt = make_optimizer(train)
+    p, state = params, opt.init(params)
+    for step in range(3):
+        updates, state = opt.update(grads, state, p)
+        p = optax.apply_updates(p, updates)
+        moved = {k: not np.allclose(p[k]["w"], 1.0) for k in p}
+        assert moved["reader"]
+        assert moved["query_embedder"] == moved["doc_embedder"] == (step >= 2), step
+    sgd = optax.chain(optax.sgd(0.5), scale_networks(0.1, frozen_steps=1))
+    state = sgd.init(params)
+    first, state = sgd.update(grads, state, params)
+    second, _ = sgd.update(grads, state, params)
+    np.testing.assert_allclose(first["query_embedder"]["w"], 0.0)
+    np.testing.assert_allclose(first["reader"]["w"], -1.0)
+    np.testing.assert_allclose(second["doc_embedder"]["w"], -0.1)  # -0.5 * 2 * 0.1
+
+
 def test_refresher_never_publishes_non_finite_embeddings(data_dir, tmp_path, caplog):
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
     workdir = str(tmp_path)

@@ -200,8 +200,19 @@ def training_questions(config, data_dir: str, blocks=None) -> tuple[list[QAExamp
 
 
 def dev_questions(config, data_dir: str) -> list[QAExample]:
-    """The dev questions of the periodic evaluation (the first qa.eval_examples; 0 = all)."""
+    """The dev questions of the periodic evaluation: train.eval_examples of them (0 = all),
+    evenly spaced through the file. A file lists an article's questions together, so its
+    first 500 held-out SQuAD questions came from 3 of the 27 held-out articles; spread out,
+    they come from every article and a checkpoint is chosen on all of them."""
     q = config.qa
     examples = load_questions(q.dev_file, q.format, q.dev_holdout, data_dir)
     n = int(config.train.eval_examples)
-    return examples[:n] if n > 0 else examples
+    return [examples[i] for i in spread(n, len(examples))]
+
+
+def spread(n: int, total: int) -> list[int]:
+    """n positions evenly spaced through range(total), in order (n <= 0 or >= total: all):
+    the dev questions' positions (dev_questions)."""
+    if n <= 0 or n >= total:
+        return list(range(total))
+    return [int(i * total // n) for i in range(n)]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -39,26 +42,44 @@ def _decay_mask(params):
 EMBEDDERS = ("query_embedder", "doc_embedder")
 
 
-def scale_networks(factor: float, names=EMBEDDERS) -> optax.GradientTransformation:
+class ScaleNetworksState(NamedTuple):
+    count: jax.Array  # optimizer steps taken (for the frozen start)
+
+
+def scale_networks(
+    factor: float, names=EMBEDDERS, frozen_steps: int = 0
+) -> optax.GradientTransformation:
     """Multiply the updates of the named top-level networks by `factor` (their learning rate
-    relative to the rest); other networks' updates pass through."""
+    relative to the rest); other networks' updates pass through. frozen_steps > 0: the named
+    networks take no step (factor 0, no weight decay) for the first frozen_steps updates."""
+
+    def init(params):
+        del params
+        if frozen_steps <= 0:
+            return optax.EmptyState()
+        return ScaleNetworksState(count=jnp.zeros([], jnp.int32))
 
     def update(updates, state, params=None):
         del params
+        f = factor
+        if frozen_steps > 0:
+            f = jnp.where(state.count < frozen_steps, 0.0, factor)
+            state = ScaleNetworksState(count=optax.safe_int32_increment(state.count))
         return {
-            k: jax.tree.map(lambda u: u * factor, v) if k in names else v
-            for k, v in updates.items()
+            k: jax.tree.map(lambda u: u * f, v) if k in names else v for k, v in updates.items()
         }, state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """AdamW as in BERT, with global-norm clipping; the embedders' steps scaled by
-    train.embedder_lr_scale (1 = one learning rate for every network, as the release)."""
+    train.embedder_lr_scale (1 = one learning rate for every network, as the release) and
+    frozen for the first train.embedders_frozen_steps (a reader warm-up; 0 = none)."""
     extra = []
-    if train_cfg.embedder_lr_scale != 1.0:
-        extra.append(scale_networks(train_cfg.embedder_lr_scale))
+    frozen = int(train_cfg.get("embedders_frozen_steps", 0))
+    if train_cfg.embedder_lr_scale != 1.0 or frozen > 0:
+        extra.append(scale_networks(train_cfg.embedder_lr_scale, frozen_steps=frozen))
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(
