@@ -41,6 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # its embedders to a tenth, which made ICT learn at a tenth: issue 22)
     t.embedder_lr_scale = 1.0  # the embedders' LR relative to train.lr
     t.embedders_frozen_steps = 0  # ICT trains the embedders alone: from its first step
+    t.own_block_steps = 0  # (REALM pre-training only)
     return c
 
 

@@ -158,6 +158,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the first N steps train the reader alone, the retriever frozen (a reader warm-up, not in
     # the release: REALM there starts from a BERT-base reader that already fills in blanks)
     c.train.embedders_frozen_steps = 0  # steps before the embedders train; 0 = from the start
+    # the first N steps may retrieve the masked sentence's own block (the release always
+    # excludes it, so that the retriever learns no trivial match): with the embedders frozen
+    # that long, a copying curriculum for the reader's warm-up; at most embedders_frozen_steps
+    c.train.own_block_steps = 0  # steps that do not exclude the own block; 0 = none
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2

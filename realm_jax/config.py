@@ -255,6 +255,7 @@ RANGES = {
     "train.warmup_steps": ((lambda v: v >= -1), "-1 (automatic) or at least 0"),
     "train.embedder_lr_scale": _at_least(0),
     "train.embedders_frozen_steps": _at_least(0),
+    "train.own_block_steps": _at_least(0),
     "train.weight_decay": _at_least(0),
     "train.grad_clip": ((lambda v: v > 0), "positive"),
     "train.mlm_vocab_chunk": ((lambda v: v >= -1), "-1 (dense logits), 0 (all) or positive"),
@@ -372,6 +373,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
         if value is not _MISSING and not ok(value):
             problems.append(f"{key}={value!r}: must be {allowed}")
     if _get(config, "task") == "realm":
+        own, frozen = (
+            _get(config, "train.own_block_steps"),
+            _get(config, "train.embedders_frozen_steps"),
+        )
+        scale = _get(config, "train.embedder_lr_scale")
+        if _MISSING not in (own, frozen) and own > frozen and scale != 0:
+            problems.append(
+                f"train.own_block_steps={own}: must be at most train.embedders_frozen_steps "
+                f"({frozen}) unless train.embedder_lr_scale=0: a retriever that trains while "
+                "the own block can be retrieved learns the trivial match (the release always "
+                "excludes the own block)"
+            )
         k = _get(config, "train.num_candidates")
         if k is not _MISSING and k < 2:
             problems.append(

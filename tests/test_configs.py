@@ -283,3 +283,26 @@ def test_lockstep_refresh_needs_checkpoints_at_every_refresh():
     validate(load_config(f"{CONFIG}:smoke", over + ["train.checkpoint_every=5"]))
     with pytest.raises(ConfigError, match="checkpoint_every.*divide refresh.every"):
         validate(load_config(f"{CONFIG}:smoke", over + ["train.checkpoint_every=3"]))
+
+
+def test_own_block_steps_need_a_frozen_retriever():
+    """train.own_block_steps lets REALM retrieve the masked sentence's own block: allowed only
+    while the embedders are frozen (train.embedders_frozen_steps, or embedder_lr_scale=0)."""
+    from realm_jax.config import validate
+
+    validate(
+        load_config(
+            f"{CONFIG}:smoke", ["train.own_block_steps=5", "train.embedders_frozen_steps=5"]
+        )
+    )
+    validate(
+        load_config(f"{CONFIG}:smoke", ["train.own_block_steps=5", "train.embedder_lr_scale=0"])
+    )
+    with pytest.raises(ConfigError, match="own_block_steps=6: must be at most"):
+        validate(
+            load_config(
+                f"{CONFIG}:smoke", ["train.own_block_steps=6", "train.embedders_frozen_steps=5"]
+            )
+        )
+    with pytest.raises(ConfigError, match="embedders_frozen_steps=-1: must be at least 0"):
+        validate(load_config(f"{CONFIG}:smoke", ["train.embedders_frozen_steps=-1"]))

@@ -240,8 +240,13 @@ def train_step(
     length,
     vocab_chunk: int = 0,
     seed: int = 0,
+    own_block_steps: int = 0,
 ):
-    """One optimizer step; returns (new state, metrics)."""
+    """One optimizer step; returns (new state, metrics). own_block_steps: before that step
+    the masked sentence's own block is not excluded from retrieval (train.own_block_steps)."""
+    if own_block_steps > 0:
+        own = jnp.where(state.step < own_block_steps, -1, batch["block_id"])
+        batch = dict(batch, block_id=own.astype(batch["block_id"].dtype))
     rng = None  # dropout keys depend only on (seed, step): the same on any mesh
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -278,6 +283,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         length=joint_len(config),
         vocab_chunk=config.train.mlm_vocab_chunk,
         seed=config.train.seed,
+        own_block_steps=int(config.train.get("own_block_steps", 0)),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(

@@ -45,6 +45,19 @@ def params_hook(config, reader: bool = True, span_head: bool = False):
         )
     if reader and m.init_from_realm:
         _read_only_manager(m.init_from_realm, "model.init_from_realm", "`realm-jax train` (REALM)")
+        for field, path in (
+            ("init_reader_from", m.init_reader_from),
+            ("init_embedder_from", m.init_embedder_from),
+        ):
+            if path:  # e.g. the squad recipe's bert-tiny folders, inherited by an override
+                log.warning(
+                    "model.%s=%s replaces networks loaded from model.init_from_realm=%s "
+                    "(set model.%s= to keep them)",
+                    field,
+                    path,
+                    m.init_from_realm,
+                    field,
+                )
 
     def hook(params):
         params = dict(params)
