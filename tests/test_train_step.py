@@ -568,7 +568,8 @@ def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
     step equals one on a batch whose own block ids are all -1 (nothing excluded) and differs
     from the excluding step (each own block is made its query's best match); from that step
     on, it excludes the own block again, as the release does."""
-    config, mesh, model, optimizer, state, _, emb, tokens, _, batch = setup
+    config, mesh, model, optimizer, _, _, emb, tokens, _, batch = setup
+    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # setup's is donated
     gb = sharding.global_batch(batch, mesh)
     fn = functools.partial(
         train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
