@@ -40,6 +40,13 @@ KEYS = [
     ("accuracy", "accuracy (marginal)"),
     ("null_only_accuracy", "accuracy (null doc only)"),
 ]
+DEFAULT_SECTION = "REALM's signal to the retriever"
+COPY_KEYS = [  # does the reader read its block (realm_jax/pretrain/evaluation.py)
+    ("span_in_candidates", "a retrieved block holds the masks"),
+    ("accuracy_block_holds", "accuracy given such a block"),
+    ("accuracy_block_lacks", "accuracy given a block without them"),
+    ("copy_gain", "copy gain (nats per mask)"),
+]
 
 
 def evaluate(label: str, overrides: list[str], work: str, examples: int) -> dict:
@@ -54,7 +61,10 @@ def evaluate(label: str, overrides: list[str], work: str, examples: int) -> dict
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
     scalars = read_scalars(work)  # the TensorBoard events: every evaluation, step 0 first
-    return {k: scalars[f"eval/{k}"][0] for k, _ in KEYS} | {"label": label}
+    missing = [k for k, _ in KEYS + COPY_KEYS if f"eval/{k}" not in scalars]
+    if missing:
+        raise SystemExit(f"{work}: made by older code, no {missing}: delete it or pick --out")
+    return {k: scalars[f"eval/{k}"][0] for k, _ in KEYS + COPY_KEYS} | {"label": label}
 
 
 def main() -> None:
@@ -65,6 +75,7 @@ def main() -> None:
     ap.add_argument("--realm", action="append", default=[], help="LABEL=WORKDIR, repeatable")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "realm_signal"))
     ap.add_argument("--examples", type=int, default=1024)
+    ap.add_argument("--section", default=DEFAULT_SECTION, help="the section of results.md")
     args = ap.parse_args()
     base = [f"data.data_dir={os.path.abspath(args.data_dir)}", "data.mask_mode=salient"]
     ict = [f"model.init_embedders_from_ict={os.path.abspath(args.ict)}"]
@@ -100,7 +111,10 @@ def main() -> None:
         rows.append(evaluate(label, over, os.path.join(args.out, f"pair{i}"), args.examples))
     lines = [
         f"`python bench/realm_signal.py --data_dir {args.data_dir} --ict {args.ict} --read "
-        f"{args.read}" + "".join(f" --realm '{r}'" for r in args.realm) + "`: "
+        f"{args.read}"
+        + "".join(f" --realm '{r}'" for r in args.realm)
+        + (f" --section '{args.section}'" if args.section != DEFAULT_SECTION else "")
+        + f" --out {args.out}`: "
         f"{args.examples} held-out salient-span sentences (articles never trained on), the "
         "8 candidates of the corpus-wide search (the null document and the top 7, the "
         "sentence's own block excluded). REALM's gradient on a candidate's retrieval score is "
@@ -117,13 +131,28 @@ def main() -> None:
         )
     lines += [
         "",
+        "Does the reader read its blocks? On the same sentences, the retrieved blocks (the null "
+        "document aside) that hold every masked wordpiece (as a bag of wordpieces, title "
+        "included) against those that do not: the reader's accuracy given one block alone, and "
+        "the copy gain, log p(y|x,z) per mask with a block that holds the masks minus with one "
+        "that lacks them, averaged over the sentences that retrieved both kinds. A reader that "
+        "ignores its block scores 0 there, and REALM's posterior then cannot favour the blocks "
+        "that hold the answer.",
+        "",
+        "| retriever + reader | " + " | ".join(name for _, name in COPY_KEYS) + " |",
+        "|---|" + "---|" * len(COPY_KEYS),
+    ]
+    for r in rows:
+        lines.append(f"| {r['label']} | " + " | ".join(f"{r[k]:.4f}" for k, _ in COPY_KEYS) + " |")
+    lines += [
+        "",
         "Read with it: `accuracy` is the masked wordpieces the reader fills right with the "
         "candidates, `retrieval utility` how much the retrieved blocks raise the masks' "
         "log-likelihood over the null document alone. A reader that cannot fill the masks "
         "(accuracy near 0) leaves the posterior equal to the prior, and REALM's gradient on "
         "the retriever is then noise around zero, whatever the retriever.",
     ]
-    write_section("REALM's signal to the retriever", "\n".join(lines), doc=RESULTS)
+    write_section(args.section, "\n".join(lines), doc=RESULTS)
 
 
 if __name__ == "__main__":

@@ -499,9 +499,24 @@ def test_held_out_evaluation_against_numpy(setup):
         num_blocks, step = len(emb), 0
 
     Feed.emb, Feed.tokens = index
+    params = jax.device_get(state.params)
+    retrieve = functools.partial(
+        train_step.retrieve_and_read,
+        model=model,
+        mesh=mesh,
+        num_candidates=config.train.num_candidates,
+        num_valid=len(emb),
+        length=inputs.joint_len(config),
+    )
+    # The targets do not change what is retrieved: give the even queries their first retrieved
+    # block's wordpieces as targets, so that some blocks hold the masks (copy metrics below).
+    first = np.asarray(retrieve(params, batch, *index)[4])[:, 0]
+    batch = dict(batch, mlm_targets=batch["mlm_targets"].copy())
+    for b in range(0, len(first), 2):
+        n = int(batch["mlm_weights"][b].sum())
+        batch["mlm_targets"][b, :n] = tokens[first[b], 1 : n + 1]
     got = RealmEvaluator(config, mesh, model, Feed, [batch], titles)(state, 0)
 
-    params = jax.device_get(state.params)
     q = batch["query_ids"]
     ids, segs, mask = (np.asarray(x) for x in inputs.null_reader_input(jnp.asarray(q)))
     feats, table, bias = model.apply(
@@ -532,17 +547,7 @@ def test_held_out_evaluation_against_numpy(setup):
     # Prior and posterior mass on the article's blocks: numpy over the step's own relevance
     # and reader features (log p(y|x,z) by a full softmax over the vocabulary).
     rel, feats, table, bias, rids = (
-        np.asarray(x, np.float64)
-        for x in train_step.retrieve_and_read(
-            params,
-            batch,
-            *index,
-            model=model,
-            mesh=mesh,
-            num_candidates=config.train.num_candidates,
-            num_valid=len(emb),
-            length=inputs.joint_len(config),
-        )
+        np.asarray(x, np.float64) for x in retrieve(params, batch, *index)
     )
     logits = np.einsum("bkph,vh->bkpv", feats, table) + bias
     logits -= logits.max(-1, keepdims=True)
@@ -561,6 +566,28 @@ def test_held_out_evaluation_against_numpy(setup):
     np.testing.assert_allclose(
         got["same_title_posterior"], (post[ok][:, 1:] * same).sum(1).mean(), rtol=1e-3, atol=1e-6
     )
+
+    # The copy metrics, from the same numpy log-likelihoods: does a block hold every target
+    # (a python set per block), and the argmax given each block alone.
+    rids = rids.astype(int)
+    n_t = w.sum(1)
+    holds = np.array(
+        [[set(tg[b][w[b] > 0]) <= set(tokens[i]) for i in rids[b]] for b in range(len(tg))]
+    )
+    assert holds[0::2, 0].all() and holds.sum() < holds.size  # both kinds are present
+    right = ((lp.argmax(-1) == tg[:, None, :]) * w[:, None, :]).sum(-1)[:, 1:]
+    lacks = ~holds
+    np.testing.assert_allclose(got["span_in_candidates"], holds.any(1).mean())
+    for kind, sel in (("holds", holds), ("lacks", lacks)):
+        want = right[sel].sum() / (n_t[:, None] * sel).sum()
+        np.testing.assert_allclose(got[f"accuracy_block_{kind}"], want, rtol=1e-6)
+    per_t = loglik[:, 1:] / n_t[:, None]
+    gains = [
+        per_t[b][holds[b]].mean() - per_t[b][lacks[b]].mean()
+        for b in range(len(tg))
+        if holds[b].any() and lacks[b].any()
+    ]
+    np.testing.assert_allclose(got["copy_gain"], np.mean(gains), rtol=1e-3, atol=1e-5)
 
 
 def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):

@@ -157,6 +157,7 @@ EVAL_CONSOLE_KEYS = (
     "null_doc_prob",
     "same_title_fraction",
     "same_title_random",
+    "copy_gain",
 )
 
 

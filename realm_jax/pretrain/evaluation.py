@@ -15,6 +15,16 @@ Metrics (averaged over the held-out examples of prepare's eval split, masks fixe
                        on the retriever's scores is p(z|x, y) - p(z|x): posterior above
                        prior means it pulls the retriever towards the article's blocks, and
                        the gap is how hard (0: the reader gives the retriever no signal)
+  span_in_candidates   queries with a retrieved block that holds every masked wordpiece
+                       (as a bag of wordpieces, title included) ...
+  accuracy_block_holds ... the masks filled right by the reader given one such block alone
+                       (per target, over every such query and block) ...
+  accuracy_block_lacks ... and given one retrieved block that lacks them
+  copy_gain            log p(y|x,z) per target, blocks that hold the masks minus blocks that
+                       lack them, averaged over queries that retrieved both kinds: how much
+                       the reader reads its block. REALM's posterior can only favour the
+                       blocks that help where this is above 0 (a reader that ignores its
+                       block scores 0, whatever it retrieves)
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ def eval_metrics(
     vocab_chunk,
 ):
     """Metrics of one held-out batch (no dropout) + the retrieved ids [B, K-1]."""
-    relevance, features, table, bias, ids = train_step.retrieve_and_read(
+    _, relevance, cands, ids = train_step.retrieve(
         params,
         batch,
         index_emb,
@@ -61,7 +71,9 @@ def eval_metrics(
         mesh=mesh,
         num_candidates=num_candidates,
         num_valid=num_valid,
-        length=length,
+    )
+    features, table, bias = train_step.read_candidates(
+        model, params, batch["query_ids"], cands, batch["mlm_positions"], length
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     _, metrics = fused_marginal_loss(
@@ -72,23 +84,38 @@ def eval_metrics(
     metrics["null_only_accuracy"] = null_right.sum() / jnp.maximum(weights.sum(), 1.0)
     metrics["retrieved_ids"] = ids
     log_prior = jax.nn.log_softmax(relevance.astype(jnp.float32), -1)  # [B, K]
-    log_post = log_prior + _candidate_log_likelihood(features, table, bias, targets, weights)
+    loglik, right = _candidate_log_likelihood(features, table, bias, targets, weights)
+    log_post = log_prior + loglik
     metrics["prior"] = jnp.exp(log_prior)
     metrics["posterior"] = jax.nn.softmax(log_post, -1)
+    metrics["candidate_loglik"], metrics["candidate_right"] = loglik, right
+    metrics["block_holds"] = block_holds_targets(cands, targets, weights)
+    metrics["query_targets"] = weights.sum(-1)
     return metrics
 
 
+def block_holds_targets(cands, targets, weights):
+    """[B, K] bool: candidate block k holds every masked wordpiece of query b (as a bag of
+    wordpieces, title included). The null document (k = 0) and queries without masks never."""
+    member = (cands[:, :, None, :] == targets[:, None, :, None]).any(-1)  # [B, K, P]
+    holds = (member | (weights[:, None, :] == 0)).all(-1) & (weights.sum(-1) > 0)[:, None]
+    return holds.at[:, 0].set(False)
+
+
 def _candidate_log_likelihood(features, table, bias, targets, weights):
-    """log p(y | x, z) per candidate [B, K]: the masked targets' log-probabilities summed, one
-    candidate at a time (never [B, K, P, V] at once)."""
+    """Per candidate [B, K]: log p(y | x, z), the masked targets' log-probabilities summed,
+    and the number of them the reader's argmax gets right given z alone; one candidate at a
+    time (never [B, K, P, V] at once)."""
 
     def one(f):  # [B, P, H]
         logits = (jnp.einsum("bph,vh->bpv", f, table) + bias).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits, -1)
         hit = jnp.take_along_axis(lp, targets[..., None], -1)[..., 0]  # [B, P]
-        return (hit * weights).sum(-1)  # [B]
+        right = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+        return (hit * weights).sum(-1), (right * weights).sum(-1)  # [B], [B]
 
-    return jax.lax.map(one, jnp.moveaxis(features, 1, 0)).T
+    loglik, right = jax.lax.map(one, jnp.moveaxis(features, 1, 0))
+    return loglik.T, right.T
 
 
 def compile_eval(config, mesh, model, num_valid: int):
@@ -121,6 +148,7 @@ class RealmEvaluator:
 
     def __call__(self, state, step: int) -> dict[str, float]:
         sums = collections.Counter()
+        copy = collections.Counter()
         same = rand = n_q = prior_same = post_same = 0.0
         for local in self.batches:
             batch = sharding.global_batch(local, self.mesh)
@@ -145,12 +173,40 @@ class RealmEvaluator:
             n = len(self.titles)
             rand += ((self.title_count[own[ok]] - 1) / max(n - 1, 1)).sum()
             n_q += ok.sum()
+            _copy_sums(copy, m)
         out = {k: sums[k] / max(sums["targets"], 1.0) for k in SUMMED}
         out.update({k: sums[k] / max(sums["queries"], 1.0) for k in PER_QUERY})
         out["same_title_fraction"] = same / max(n_q, 1.0)
         out["same_title_random"] = rand / max(n_q, 1.0)
         out["same_title_prior"] = prior_same / max(n_q, 1.0)
         out["same_title_posterior"] = post_same / max(n_q, 1.0)
+        out["span_in_candidates"] = copy["span_queries"] / max(copy["masked_queries"], 1.0)
+        for kind in ("holds", "lacks"):
+            out[f"accuracy_block_{kind}"] = copy[f"right_{kind}"] / max(copy[f"targets_{kind}"], 1)
+        out["copy_gain"] = copy["gain"] / max(copy["gain_queries"], 1.0)
         out["examples"] = sums["queries"]
         out["index_step"] = self.feed.step
         return out
+
+
+def _copy_sums(acc: collections.Counter, m: dict) -> None:
+    """Adds one batch's sums for span_in_candidates, accuracy_block_* and copy_gain."""
+    holds = np.asarray(m["block_holds"])[:, 1:]  # the retrieved blocks (the null never holds)
+    right = np.asarray(m["candidate_right"], np.float64)[:, 1:]
+    loglik = np.asarray(m["candidate_loglik"], np.float64)[:, 1:]
+    n_t = np.asarray(m["query_targets"], np.float64)
+    masked = n_t > 0
+    acc["masked_queries"] += masked.sum()
+    acc["span_queries"] += holds.any(1).sum()
+    lacks = ~holds & masked[:, None]
+    for kind, sel in (("holds", holds), ("lacks", lacks)):
+        acc[f"right_{kind}"] += right[sel].sum()
+        acc[f"targets_{kind}"] += (np.broadcast_to(n_t[:, None], sel.shape) * sel).sum()
+    both = holds.any(1) & lacks.any(1)
+    per_t = loglik / np.maximum(n_t, 1.0)[:, None]
+
+    def mean(sel):  # each query's mean over the selected blocks
+        return (per_t * sel).sum(1) / np.maximum(sel.sum(1), 1)
+
+    acc["gain"] += (mean(holds) - mean(lacks))[both].sum()
+    acc["gain_queries"] += both.sum()
