@@ -102,7 +102,10 @@ def main() -> None:
                     f"model.init_from_realm={os.path.abspath(work)}",
                     "model.init_span_head_from_realm=true",
                     "model.init_reader_from=",
-                    "model.init_embedders_from_ict=",  # the REALM run's own embedders
+                    # the REALM run's own embedders: no HF folder or ICT run may replace them
+                    # (before 2026-11-26 the recipe's bert-tiny folder did, in these rows)
+                    "model.init_embedder_from=",
+                    "model.init_embedders_from_ict=",
                 ],
             )
         )
