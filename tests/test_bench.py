@@ -118,3 +118,29 @@ def test_stage_stamps_reuse_only_a_stage_of_the_same_config_code_and_upstream(
     (tmp_path / "ict" / "checkpoints").mkdir()
     moved = st.set_aside(work)
     assert not os.path.exists(work) and os.path.isdir(os.path.join(moved, "checkpoints"))
+
+
+def test_paired_retrieval_counts_and_sign_test_by_hand():
+    import pytest
+    from paired_retrieval import compare, sign_test, spread, table
+
+    # the exact sign test, by hand: 0 of 5 -> 2 * (1/2)^5; 1 of 6 -> 2 * 7/64; 3 of 6 -> 1
+    assert sign_test(0, 5) == pytest.approx(2 / 32)
+    assert sign_test(5, 0) == pytest.approx(2 / 32)
+    assert sign_test(1, 5) == pytest.approx(2 * 7 / 64)
+    assert sign_test(3, 3) == 1.0 and sign_test(0, 0) == 1.0
+    # a large n stays finite (log space): 158 of 355 is about z = -2.07, p about 0.04
+    assert 0.03 < sign_test(158, 197) < 0.05
+
+    def rec(q, hit, ids):
+        return {"question": q, "hits": {"5": hit}, "top_blocks": [{"id": i} for i in ids]}
+
+    base = [rec("a", True, [1, 2]), rec("b", False, [1, 3]), rec("c", True, [4, 5])]
+    other = [rec("a", False, [1, 1]), rec("b", False, [1, 1]), rec("c", True, [1, 5])]
+    c = compare(base, other, 5)
+    assert (c["gained"], c["lost"]) == (0, 1) and c["recall"] == pytest.approx(1 / 3)
+    assert spread(base, 5) == (5, 2 / 6)  # block 1 twice in 6 retrievals; 5 distinct
+    assert spread(other, 5) == (2, 5 / 6)
+    assert "| 0 / 1 | 1 |" in table([("base", base), ("other", other)], 5)
+    with pytest.raises(ValueError, match="question 1 differs"):
+        compare(base, [base[0], rec("x", True, [1]), base[2]], 5)
