@@ -144,3 +144,27 @@ def test_paired_retrieval_counts_and_sign_test_by_hand():
     assert "| 0 / 1 | 1 |" in table([("base", base), ("other", other)], 5)
     with pytest.raises(ValueError, match="question 1 differs"):
         compare(base, [base[0], rec("x", True, [1]), base[2]], 5)
+
+
+def test_gradient_noise_scale_recovers_a_known_signal_and_noise():
+    import numpy as np
+    import pytest
+    from gradient_noise import noise_scale
+
+    # per-example gradients g = mu + noise, noise ~ N(0, sigma^2 I) in d dims: |G|^2 = |mu|^2,
+    # tr(S) = d sigma^2, B_noise = d sigma^2 / |mu|^2 = 200 * 4 / 8 = 100
+    rng = np.random.default_rng(0)
+    d, sigma, b, count = 200, 2.0, 16, 400
+    mu = np.full(d, np.sqrt(8.0 / d))
+    g = mu + sigma * rng.standard_normal((count, b, d))
+    micro = g.mean(axis=1)  # the gradient of each micro-batch of b examples
+    mean = micro.mean(axis=0)
+    f = noise_scale(float((micro**2).sum(axis=1).mean()), float(mean @ mean), b, b * count)
+    assert f["grad_sq"] == pytest.approx(8.0, rel=0.15)
+    assert f["trace"] == pytest.approx(d * sigma**2, rel=0.05)
+    assert f["noise_scale"] == pytest.approx(100.0, rel=0.2)
+    assert f["signal_share_at_16"] == pytest.approx(8 / (8 + 800 / 16), rel=0.15)
+    # identical gradients: no noise at all
+    same = noise_scale(4.0, 4.0, 16, 512)
+    assert same["grad_sq"] == pytest.approx(4.0) and same["trace"] == pytest.approx(0.0)
+    assert same["signal_share_at_16"] == pytest.approx(1.0)
