@@ -26,7 +26,9 @@ Empirical Model of Large-Batch Training", appendix A), and reports
                size that is the true gradient (1: all signal; near 0: all noise)
 
 With few examples |G|^2 can come out negative (signal below what `count` gradients can
-resolve): it is reported as such, and B_noise as "> the examples used".
+resolve): it is reported as such, and B_noise as "> the examples used". The delete-one
+jackknife over the `count` gradients gives each figure a standard error (the gradients are
+kept in float32 on the host: count x the parameters x 4 bytes).
 """
 
 from __future__ import annotations
@@ -51,6 +53,31 @@ def noise_scale(sq_small: float, sq_big: float, b: int, big: int) -> dict:
     for batch in (b, 512):
         share = g2 / (g2 + trace / batch) if g2 > 0 else 0.0
         out[f"signal_share_at_{batch}"] = share
+    return out
+
+
+def jackknife(grads, b: int) -> dict:
+    """Delete-one jackknife standard errors of |G|^2, tr(S) and B_noise from the `count`
+    micro-batch gradients (rows of `grads`, each over b examples)."""
+    import numpy as np
+
+    count = len(grads)
+    total = grads.sum(axis=0, dtype=np.float64)
+    sq = np.einsum("ij,ij->i", grads, grads, dtype=np.float64)
+    dots = grads @ total  # g_i . T
+    tt = float(total @ total)
+    rows = []
+    for i in range(count):  # |T - g_i|^2 = |T|^2 - 2 g_i.T + |g_i|^2
+        mean_sq = (tt - 2 * dots[i] + sq[i]) / (count - 1) ** 2
+        rows.append(noise_scale((sq.sum() - sq[i]) / (count - 1), mean_sq, b, b * (count - 1)))
+    out = {}
+    for key in ("grad_sq", "trace", "noise_scale"):
+        v = np.array([r[key] for r in rows], np.float64)
+        out[key + "_se"] = (
+            float(np.sqrt((count - 1) / count * ((v - v.mean()) ** 2).sum()))
+            if np.all(np.isfinite(v))
+            else float("inf")
+        )
     return out
 
 
@@ -109,8 +136,7 @@ def main() -> int:
     )
     grad = jax.jit(jax.grad(lambda p, batch, e, t: loss(p, batch, e, t)[0]))
     groups = sorted(params)
-    total = {g: None for g in groups}  # the sum of the gradients
-    sq = {g: 0.0 for g in groups}  # the sum of their squared norms
+    kept = {g: [] for g in groups}  # each micro-batch's gradient, float32, on the host
     it = iter(loader)
     t0 = time.time()
     for i in range(args.count):
@@ -118,11 +144,11 @@ def main() -> int:
         batch = {k: v for k, v in batch.items() if k != "example_id"}
         g = grad(params, batch, feed.emb, feed.tokens)
         for name in groups:
-            flat = np.concatenate(
-                [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(g[name])]
+            kept[name].append(
+                np.concatenate(
+                    [np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(g[name])]
+                )
             )
-            total[name] = flat if total[name] is None else total[name] + flat
-            sq[name] += float(flat @ flat)
         done = i + 1
         eta = (time.time() - t0) / done * (args.count - done)
         print(f"gradient {done}/{args.count} ({args.micro} sentences) | ETA {eta:.0f}s", flush=True)
@@ -130,18 +156,25 @@ def main() -> int:
     big = args.micro * args.count
     figures = {"micro": args.micro, "count": args.count, "examples": big, "networks": {}}
     for name in groups:
-        mean = total[name] / args.count
-        figures["networks"][name] = noise_scale(
-            sq[name] / args.count, float(mean @ mean), args.micro, big
-        )
+        grads = np.stack(kept.pop(name))
+        mean = grads.mean(axis=0, dtype=np.float64)
+        sq = float(np.einsum("ij,ij->", grads, grads, dtype=np.float64)) / args.count
+        figures["networks"][name] = noise_scale(sq, float(mean @ mean), args.micro, big)
+        figures["networks"][name] |= jackknife(grads, args.micro)
+        del grads
     print(
         f"{'network':<18} {'|G|^2':>11} {'tr(S)':>11} {'B_noise':>10} "
         f"{'signal@' + str(args.micro):>10} {'signal@512':>10}"
     )
     for name, f in figures["networks"].items():
-        ns = f"{f['noise_scale']:.0f}" if f["grad_sq"] > 0 else f"> {big}"
+        ns = (
+            f"{f['noise_scale']:.0f} ({f['noise_scale_se']:.0f})"
+            if f["grad_sq"] > 0
+            else f"> {big}"
+        )
+        g2 = f"{f['grad_sq']:.3e} ({f['grad_sq_se']:.1e})"
         print(
-            f"{name:<18} {f['grad_sq']:>11.3e} {f['trace']:>11.3e} {ns:>10} "
+            f"{name:<18} {g2:>22} {f['trace']:>11.3e} {ns:>16} "
             f"{f[f'signal_share_at_{args.micro}']:>10.3f} {f['signal_share_at_512']:>10.3f}"
         )
     if args.out:

@@ -168,3 +168,22 @@ def test_gradient_noise_scale_recovers_a_known_signal_and_noise():
     same = noise_scale(4.0, 4.0, 16, 512)
     assert same["grad_sq"] == pytest.approx(4.0) and same["trace"] == pytest.approx(0.0)
     assert same["signal_share_at_16"] == pytest.approx(1.0)
+
+
+def test_gradient_noise_jackknife_error_matches_the_spread_over_repeats():
+    import numpy as np
+    import pytest
+    from gradient_noise import jackknife, noise_scale
+
+    d, sigma, b, count = 200, 2.0, 16, 32
+    mu = np.full(d, np.sqrt(8.0 / d))
+    est, se = [], []
+    for seed in range(60):  # 60 repeats of the measurement: the spread of |G|^2 estimates
+        rng = np.random.default_rng(seed)
+        micro = (mu + sigma * rng.standard_normal((count, b, d))).mean(axis=1)
+        micro = micro.astype(np.float32)
+        mean = micro.mean(axis=0, dtype=np.float64)
+        sq = float((micro.astype(np.float64) ** 2).sum(axis=1).mean())
+        est.append(noise_scale(sq, float(mean @ mean), b, b * count)["grad_sq"])
+        se.append(jackknife(micro, b)["grad_sq_se"])
+    assert np.mean(se) == pytest.approx(np.std(est), rel=0.25)
