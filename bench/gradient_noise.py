@@ -163,7 +163,7 @@ def main() -> int:
         figures["networks"][name] |= jackknife(grads, args.micro)
         del grads
     print(
-        f"{'network':<18} {'|G|^2':>11} {'tr(S)':>11} {'B_noise':>10} "
+        f"{'network':<18} {'|G|^2 (se)':>22} {'tr(S)':>11} {'B_noise (se)':>16} "
         f"{'signal@' + str(args.micro):>10} {'signal@512':>10}"
     )
     for name, f in figures["networks"].items():
