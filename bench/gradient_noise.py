@@ -29,14 +29,6 @@ With few examples |G|^2 can come out negative (signal below what `count` gradien
 resolve): it is reported as such, and B_noise as "> the examples used". The delete-one
 jackknife over the `count` gradients gives each figure a standard error (the gradients are
 kept in float32 on the host: count x the parameters x 4 bytes).
-
-For an embedder it also splits off the gradient along its scale: the embedding ends in a
-LayerNorm (realm_jax/model/realm.py), and multiplying that LayerNorm's scale and bias by
-(1 + e) multiplies every relevance score (the dot product of a query's and a block's
-embeddings) by (1 + e), so the
-direction of those parameters' own values is the retrieval distribution's temperature: it
-sharpens or flattens p(z|x) without changing any ranking. `scale_share` is the share of |G|^2
-along it (the same unbiased estimate, of the gradients' components along that unit vector).
 """
 
 from __future__ import annotations
@@ -62,21 +54,6 @@ def noise_scale(sq_small: float, sq_big: float, b: int, big: int) -> dict:
         share = g2 / (g2 + trace / batch) if g2 > 0 else 0.0
         out[f"signal_share_at_{batch}"] = share
     return out
-
-
-def scale_direction(params, name_part: str = "projection_LayerNorm"):
-    """A unit vector over a network's flattened parameters (jax.tree.leaves order): the
-    values of the leaves whose path holds `name_part`, zero elsewhere; None if none."""
-    import jax
-    import numpy as np
-
-    parts = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        value = np.asarray(leaf, np.float64).ravel()
-        parts.append(value if name_part in jax.tree_util.keystr(path) else np.zeros_like(value))
-    u = np.concatenate(parts)
-    norm = float(np.linalg.norm(u))
-    return u / norm if norm > 0 else None
 
 
 def jackknife(grads, b: int) -> dict:
@@ -184,17 +161,10 @@ def main() -> int:
         sq = float(np.einsum("ij,ij->", grads, grads, dtype=np.float64)) / args.count
         figures["networks"][name] = noise_scale(sq, float(mean @ mean), args.micro, big)
         figures["networks"][name] |= jackknife(grads, args.micro)
-        u = scale_direction(params[name])
-        if u is not None:  # the components along the scale direction, one scalar a gradient
-            comp = grads.astype(np.float64) @ u
-            along = noise_scale(float((comp**2).mean()), float(comp.mean() ** 2), args.micro, big)
-            f = figures["networks"][name]
-            f["scale_grad_sq"] = along["grad_sq"]
-            f["scale_share"] = along["grad_sq"] / f["grad_sq"] if f["grad_sq"] > 0 else float("nan")
         del grads
     print(
         f"{'network':<18} {'|G|^2 (se)':>22} {'tr(S)':>11} {'B_noise (se)':>16} "
-        f"{'signal@' + str(args.micro):>10} {'signal@512':>10} {'scale share':>11}"
+        f"{'signal@' + str(args.micro):>10} {'signal@512':>10}"
     )
     for name, f in figures["networks"].items():
         ns = (
@@ -205,8 +175,7 @@ def main() -> int:
         g2 = f"{f['grad_sq']:.3e} ({f['grad_sq_se']:.1e})"
         print(
             f"{name:<18} {g2:>22} {f['trace']:>11.3e} {ns:>16} "
-            f"{f[f'signal_share_at_{args.micro}']:>10.3f} {f['signal_share_at_512']:>10.3f} "
-            f"{f.get('scale_share', float('nan')):>11.3f}"
+            f"{f[f'signal_share_at_{args.micro}']:>10.3f} {f['signal_share_at_512']:>10.3f}"
         )
     if args.out:
         with open(args.out, "w") as fh:

@@ -187,31 +187,3 @@ def test_gradient_noise_jackknife_error_matches_the_spread_over_repeats():
         est.append(noise_scale(sq, float(mean @ mean), b, b * count)["grad_sq"])
         se.append(jackknife(micro, b)["grad_sq_se"])
     assert np.mean(se) == pytest.approx(np.std(est), rel=0.25)
-
-
-def test_gradient_noise_scale_direction_is_the_layer_norms_own_values():
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import pytest
-    from gradient_noise import scale_direction
-
-    params = {
-        "bert": {"kernel": jnp.array([3.0, 4.0])},
-        "projection_LayerNorm": {"bias": jnp.array([0.5]), "scale": jnp.array([1.0, 2.0])},
-    }
-    u = scale_direction(params)
-    leaves = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
-    assert np.linalg.norm(u) == pytest.approx(1.0)
-    assert np.count_nonzero(u) == 3 and np.dot(u, leaves) == pytest.approx(np.sqrt(5.25))
-
-    # the gradient's component along u is the derivative of the loss under scaling those
-    # parameters by (1 + e), by hand: d/de L(theta + e * theta_LN) at e = 0, over |theta_LN|
-    def loss(p):
-        ln = p["projection_LayerNorm"]
-        return jnp.sum(ln["scale"] ** 3) + 2.0 * jnp.sum(ln["bias"]) + jnp.sum(p["bert"]["kernel"])
-
-    g = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.grad(loss)(params))])
-    by_hand = (3 * 1.0**3 + 3 * 2.0**3 + 2.0 * 0.5) / np.sqrt(5.25)  # sum x * dL/dx over LN
-    assert np.dot(g, u) == pytest.approx(by_hand)
-    assert scale_direction({"w": jnp.ones(2)}) is None
