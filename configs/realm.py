@@ -144,6 +144,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = {"smoke": 8, "small": 32, "base": 512}.get(variant, 32)  # global batch
     c.train.num_candidates = 4 if variant == "smoke" else 8  # incl. the null doc (paper: 8)
+    # The paper's batch of 512 in one micro-batch's memory (pretrain/step.py accumulated_grads).
+    c.train.grad_accum = 1  # micro-batches a step's batch is split into, gradients summed
     steps = {"smoke": 100, "small": 2000, "base": 200_000}.get(variant, 2000)
     c.train.steps = steps  # optimizer steps
     # The release uses 3e-5 (BERT-base, 200k steps, up to 10k warmup). smoke's 1e-3 is for a

@@ -66,6 +66,7 @@ SHARED_TRAIN_FIELDS = (
     "train.record_example_ids",
     "train.num_candidates",  # REALM's candidates: ICT and fine-tuning do not read it
     "train.mlm_vocab_chunk",  # REALM's MLM head: ICT and fine-tuning have none
+    "train.grad_accum",  # REALM's micro-batches: ICT and fine-tuning take one pass
 )
 
 
@@ -249,6 +250,7 @@ RANGES = {
     "data.release_chunk_blocks": _at_least(1),
     "data.eval_fraction": ((lambda v: 0 <= v < 1), "in [0, 1)"),
     "train.batch_size": _at_least(1),
+    "train.grad_accum": _at_least(1),
     "train.eval_batch_size": _at_least(1),
     "train.steps": _at_least(1),
     "train.lr": ((lambda v: v > 0), "positive"),
@@ -320,7 +322,21 @@ def _mesh_problems(config) -> list[str]:
                     f"{key}={b}: must be divisible by the mesh's data axis ({data}, "
                     f"mesh.shape={shape}); change {key} or mesh.shape"
                 )
+    data = shape[axes.index("data")] if "data" in axes else 1
+    out.extend(_accum_problems(config, max(data, 1)))  # -1: known once devices are
     return out
+
+
+def _accum_problems(config, data: int) -> list[str]:
+    """REALM's batch must split into train.grad_accum micro-batches, each over the data axis
+    (data = 1 while the axis is -1: sharding.check_batch checks it once devices are known)."""
+    n, b = _get(config, "train.grad_accum"), _get(config, "train.batch_size")
+    if _get(config, "task") != "realm" or _MISSING in (n, b) or n <= 1 or b % (n * data) == 0:
+        return []
+    return [
+        f"train.grad_accum={n}: train.batch_size={b} must be divisible by {n * data} "
+        f"(grad_accum x the mesh's data axis {data}); change either"
+    ]
 
 
 def _length_problems(config) -> list[str]:

@@ -73,9 +73,18 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape["data"]
 
 
-def check_batch(batch_size: int, mesh: Mesh, field: str = "train.batch_size") -> None:
+def check_batch(
+    batch_size: int, mesh: Mesh, field: str = "train.batch_size", grad_accum: int = 1
+) -> None:
     """The global batch (config field `field`) must split evenly over the data axis and over
-    processes."""
+    processes, and into grad_accum micro-batches that each split over the data axis."""
+    if grad_accum > 1 and batch_size % (grad_accum * data_size(mesh)):
+        raise MeshError(
+            f"{field} {batch_size} does not split into train.grad_accum={grad_accum} "
+            f"micro-batches over the mesh's data axis ({data_size(mesh)}): it must be "
+            f"divisible by {grad_accum * data_size(mesh)}; change {field}, train.grad_accum "
+            "or mesh.shape"
+        )
     if batch_size % data_size(mesh):
         raise MeshError(
             f"{field} {batch_size} is not divisible by the mesh's data axis "

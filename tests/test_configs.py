@@ -306,3 +306,17 @@ def test_own_block_steps_need_a_frozen_retriever():
         )
     with pytest.raises(ConfigError, match="embedders_frozen_steps=-1: must be at least 0"):
         validate(load_config(f"{CONFIG}:smoke", ["train.embedders_frozen_steps=-1"]))
+
+
+def test_grad_accum_must_split_the_batch_over_the_data_axis():
+    """train.grad_accum micro-batches must each divide over the mesh's data axis: a named
+    error before any work (smoke: batch 8)."""
+    from realm_jax.config import validate
+
+    validate(load_config(f"{CONFIG}:smoke", ["train.grad_accum=4", "mesh.shape=(2, -1)"]))
+    with pytest.raises(ConfigError, match=r"train\.grad_accum=4: train\.batch_size=8 .* by 16"):
+        validate(load_config(f"{CONFIG}:smoke", ["train.grad_accum=4", "mesh.shape=(4, -1)"]))
+    with pytest.raises(ConfigError, match=r"train\.grad_accum=3"):
+        validate(load_config(f"{CONFIG}:smoke", ["train.grad_accum=3"]))
+    with pytest.raises(ConfigError, match=r"train\.grad_accum=0: must be at least 1"):
+        validate(load_config(f"{CONFIG}:smoke", ["train.grad_accum=0"]))

@@ -395,6 +395,91 @@ def test_same_loss_on_one_device_and_eight(setup, step8):
     np.testing.assert_allclose(metrics["loss"], step8["loss"], rtol=1e-5)
 
 
+def test_gradient_accumulation_gives_the_whole_batch_gradient():
+    """train.grad_accum=2 (pretrain/step.py accumulated_grads) against one pass over the same
+    16 sentences on the 8-device mesh: the same gradient, metrics and update. The two
+    micro-batches hold different numbers of targets, so a plain mean of micro-batch
+    gradients would differ from the whole batch's."""
+    off = ["model.embedder.dropout=0", "model.reader.dropout=0", "train.batch_size=16"]
+    one, two = tiny_config(*off), tiny_config(*off, "train.grad_accum=2")
+    mesh = sharding.make_mesh(one.mesh)
+    emb, tokens = synthetic_index(one)
+    e, t = corpus.pad_index(emb, tokens, mesh)
+    index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
+    batch = synthetic_batch(one, seed=4)
+    w = batch["mlm_weights"].sum(1)
+    assert w[0::2].sum() != w[1::2].sum()  # micro-batch j holds rows j, j + 2, ...
+    gb = sharding.global_batch(batch, mesh)
+    model, _, state, _ = train_step.create_state(one, mesh, jax.random.key(0))
+    loss_fn = functools.partial(
+        train_step.realm_loss,
+        model=model,
+        mesh=mesh,
+        num_candidates=one.train.num_candidates,
+        num_valid=len(emb),
+        length=inputs.joint_len(one),
+        vocab_chunk=one.train.mlm_vocab_chunk,
+    )
+    want = jax.jit(jax.grad(lambda p: loss_fn(p, gb, *index)[0]))(state.params)
+    got, _ = jax.jit(lambda p: train_step.accumulated_grads(loss_fn, p, gb, *index, 2, mesh, None))(
+        state.params
+    )
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(want))
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        ref = functools.reduce(lambda t, k: t[k.key], path, want)
+        # The random-init reader reads every candidate alike, so the embedders' gradient
+        # (posterior minus prior) is at float32 rounding level (~1e-6): it is checked
+        # against the whole gradient's scale; the weighting itself exactly in the next test.
+        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * scale, err_msg=str(path))
+    metrics = {}
+    for name, config in (("one", one), ("two", two)):
+        model, opt, state, shardings = train_step.create_state(config, mesh, jax.random.key(0))
+        fn = train_step.compile_train_step(config, mesh, model, opt, shardings, len(emb))
+        new, m = fn(state, gb, *index, jnp.int32(0))
+        metrics[name] = jax.device_get((m, new.params))
+    (m1, p1), (m2, p2) = metrics["one"], metrics["two"]
+    assert m2["num_targets"] == m1["num_targets"] == w.sum()
+    for k in ("loss", "accuracy", "retrieval_utility", "retrieval_entropy", "grad_norm"):
+        np.testing.assert_allclose(m2[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):  # AdamW's first step
+        np.testing.assert_allclose(a, b, atol=2 * two.train.lr)
+
+
+def test_gradient_accumulation_weights_micro_batches_by_their_targets():
+    """accumulated_grads on a loss with REALM's normalisation (a sum over real targets over
+    their number) and a 1-D mesh: the whole batch's gradient and metrics to float32
+    precision, where the mean of the micro-batch gradients is measurably not."""
+    mesh = sharding.make_mesh(tiny_config("mesh.shape=(2, 4)").mesh)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3, 5)).astype(np.float32)
+    y = rng.normal(size=(8, 3)).astype(np.float32)
+    w = np.zeros((8, 3), np.float32)
+    w[0, :3] = w[1, :1] = w[3, :2] = w[4, :3] = w[6, :1] = 1  # rows 0 2 4 6: 7; 1 3 5 7: 3
+    batch = dict(x=x, y=y, mlm_weights=w)
+
+    def loss_fn(params, batch, emb, tokens, rng=None):
+        wt = batch["mlm_weights"]
+        err = jnp.einsum("bpd,d->bp", batch["x"], params["a"]) + emb.sum() - batch["y"]
+        loss = (wt * err**2).sum() / jnp.maximum(wt.sum(), 1.0)
+        m = {"loss": loss, "num_targets": wt.sum(), "retrieval_entropy": err[:, 0].mean()}
+        return loss, m | {"retrieved_ids": jnp.zeros((len(wt), 1), jnp.int32)}
+
+    params = {"a": jnp.asarray(rng.normal(size=5), jnp.float32)}
+    emb = jnp.float32(0.5)
+    gb = sharding.global_batch(batch, mesh)
+    want = jax.grad(lambda p: loss_fn(p, batch, emb, None)[0])(params)["a"]
+    grads, m = jax.jit(
+        lambda p, b: train_step.accumulated_grads(loss_fn, p, b, emb, None, 2, mesh, None)
+    )(params, gb)
+    np.testing.assert_allclose(grads["a"], want, rtol=1e-5)
+    _, whole = loss_fn(params, batch, emb, None)
+    for k in ("loss", "num_targets", "retrieval_entropy"):
+        np.testing.assert_allclose(m[k], whole[k], rtol=1e-5, err_msg=k)
+    halves = [{k: v[j::2] for k, v in batch.items()} for j in (0, 1)]
+    mean = sum(jax.grad(lambda p, h=h: loss_fn(p, h, emb, None)[0])(params)["a"] for h in halves)
+    assert np.abs(mean / 2 - want).max() > 1e-2 * np.abs(want).max()
+
+
 def test_two_process_distributed_matches_single_process(step8):
     m8 = step8
     worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")

@@ -1,6 +1,7 @@
 """End-to-end training on a slice of the bundled sample: resume after SIGKILL, index refresh."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -104,6 +105,38 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     assert 4 < first <= 24, f"the resumed run started at step {first}"
     for step, loss in resumed.items():
         np.testing.assert_allclose(loss, full[step], rtol=1e-5, err_msg=f"step {step}")
+
+
+def test_inprocess_resume_between_refreshes_reads_the_kept_index(data_dir, tmp_path, caplog):
+    """refresh.every=8, checkpoints every 4: a run resumed at step 4 must read the index
+    re-embedded at step 0, as the uninterrupted run did (inprocess mode keeps each index it
+    embeds): the same losses and the same index age at every step; without that version it
+    says so and re-embeds, and its index is 4 steps younger."""
+    import shutil
+
+    over = ("refresh.every=8", "train.steps=12", f"data.data_dir={data_dir}")
+    full_dir = tmp_path / "full"
+    full = {h["step"]: h for h in pretrain_commands.train(config(*over), str(full_dir))}
+    assert store.list_versions(paths.index_dir(str(full_dir))) == [0, 8]
+
+    def resumed_at_4(name, drop_versions):
+        run = tmp_path / name
+        shutil.copytree(full_dir, run)
+        for step in ("8", "12"):  # as if killed at step 5
+            shutil.rmtree(os.path.join(paths.checkpoint_dir(str(run)), step))
+        for v in drop_versions:
+            shutil.rmtree(os.path.join(paths.index_dir(str(run)), store.version_name(v)))
+        return {h["step"]: h for h in pretrain_commands.train(config(*over), str(run))}
+
+    resumed = resumed_at_4("resumed", [8])
+    assert sorted(resumed) == list(range(5, 13))
+    for step, h in resumed.items():
+        np.testing.assert_allclose(h["loss"], full[step]["loss"], rtol=1e-5, err_msg=f"{step}")
+        assert h["staleness"] == full[step]["staleness"] == (step - 1) % 8, step
+    with caplog.at_level(logging.WARNING, logger="realm_jax.refresh"):
+        fresh = resumed_at_4("no_index", [0, 8])
+    assert "this resume is not exact" in caplog.text
+    assert [fresh[s]["staleness"] for s in range(5, 9)] == [0, 1, 2, 3]
 
 
 class _SlowSearcher:

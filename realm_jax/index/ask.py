@@ -44,7 +44,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
         )
         hint = (
             "publish one from the newest checkpoint with `realm-jax refresh --max_versions 1`"
-            if trained  # trained with refresh.mode=inprocess or amortized: nothing published
+            if trained  # trained with refresh.mode=amortized: nothing published
             else TRAIN_FIRST
         )
         raise FileNotFoundError(f"no valid index in {paths.index_dir(workdir)}: {hint}")

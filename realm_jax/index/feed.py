@@ -17,7 +17,8 @@ parameters of the refresh.every steps before it was completed, so a row is 1 to
 pace); the staleness the trainer reports is that of its oldest slice. A resume re-embeds the
 whole corpus once with the restored parameters (the uninterrupted run's slices, made with
 parameters of several older steps, are not in the checkpoint), so an amortized run's resume is
-not bit-exact with the uninterrupted run; the other modes' resumes are."""
+not bit-exact with the uninterrupted run; the other modes' resumes are (inprocess mode keeps
+each index it embeds on disk for a resume between two refreshes)."""
 
 from __future__ import annotations
 
@@ -150,6 +151,22 @@ class IndexFeed:
 
     def start(self, params, step: int, health=None) -> None:
         """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
+        if self.mode == "inprocess" and step % self.config.refresh.every:
+            # A resume between two refreshes: the uninterrupted run was reading the index
+            # re-embedded at the last multiple of refresh.every, which reembed kept on disk
+            # (a 30x-stale-index ablation resumed at step 100 must not get a fresh index).
+            last = step - step % self.config.refresh.every
+            path = fs.join(self.dir, store.version_name(last))
+            if self._exact_ready(last) and self._load_published(last, path):
+                return
+            log.warning(
+                "index: version %d (the index the uninterrupted run reads at step %d) is not "
+                "in %s: re-embedding with step %d's parameters, so this resume is not exact",
+                last,
+                step,
+                self.dir,
+                step,
+            )
         if self.mode in ("inprocess", "amortized"):
             self.reembed(params, step)
             if self.mode == "amortized":
@@ -200,6 +217,20 @@ class IndexFeed:
             step,
             self.last_swap_seconds,
         )
+        if self.mode == "inprocess":
+            self._keep(step)
+
+    def _keep(self, step: int) -> None:
+        """Inprocess mode: publish the index just embedded as version `step` in the workdir's
+        index folder (refresh.keep versions kept), for a resume before the next refresh (see
+        start) and for `ask` and `export`. N x proj_size floats (12 MB for 23.5k blocks at
+        128) every refresh.every steps; a collective (every process gathers the rows)."""
+        t0 = time.time()
+        host = sharding.to_host(self.emb)[: self.num_blocks]
+        if jax.process_index() == 0:
+            store.publish_index(self.dir, step, host, extra={"inprocess": True})
+            retention.cleanup(self.dir, self.config.refresh.keep)
+        log.info("index: version %d kept in %s (%.2fs)", step, self.dir, time.time() - t0)
 
     def embed_next_slice(self, params, step: int) -> bool:
         """Amortized mode: re-embed slice step % refresh.every of every device's rows into the

@@ -117,7 +117,8 @@ def _setup(config, workdir: str):
     global batch checked against the mesh and the prepared data against the config."""
     fs.makedirs(workdir)
     mesh = sharding.make_mesh(config.mesh)
-    sharding.check_batch(config.train.batch_size, mesh)
+    accum = int(config.train.get("grad_accum", 1))
+    sharding.check_batch(config.train.batch_size, mesh, grad_accum=accum)
     ddir = paths.data_dir(config, workdir)
     prepared.check_prepared(config, ddir)
     return mesh, ddir

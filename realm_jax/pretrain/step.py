@@ -225,6 +225,70 @@ def realm_loss(
     return loss, metrics
 
 
+# Metrics that marginal_metrics averages over the batch's real targets, and the one it sums;
+# any other metric is a mean over sentences.
+_PER_TARGET = ("loss", "accuracy", "retrieval_utility")
+_SUMMED = ("num_targets",)
+
+
+def micro_batches(batch, n: int, mesh: Mesh):
+    """The global batch [B, ...] as n micro-batches [n, B/n, ...]. Micro-batch j takes rows
+    j, j + n, j + 2n, ...: every data shard's rows split evenly between the micro-batches, so
+    each stays sharded over the data axis with no data moving between devices (B must be
+    divisible by n times the data axis: config and sharding.check_batch say so)."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+        spec = P(None, "data", *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(split, batch)
+
+
+def accumulated_grads(loss_fn, params, batch, index_emb, index_tokens, n: int, mesh, rng):
+    """The gradient and metrics of REALM's loss on the whole batch, computed over n
+    micro-batches in a lax.scan, so that activations are those of one micro-batch.
+
+    Exact, not an average of micro-batch means: the loss is a mean over the batch's real
+    targets (marginal_metrics), so each micro-batch's gradient is weighted by its number of
+    targets n_i and the sum divided by the batch's: sum_i n_i grad(loss_i) / max(sum_i n_i,
+    1), since n_i loss_i is micro-batch i's summed loss (0 when it has no targets). Dropout
+    keys fold in the micro-batch index. The release has no accumulation (it runs the paper's
+    batch of 512 on 64 TPU cores); this is how one accelerator, or a CPU, runs that batch.
+    """
+    micro = micro_batches(batch, n, mesh)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(carry, xs):
+        i, mb = xs
+        key = None if rng is None else jax.random.fold_in(rng, i)
+        (_, m), g = grad_fn(params, mb, index_emb, index_tokens, rng=key)
+        m.pop("retrieved_ids")
+        w = m["num_targets"]
+        g_sum, m_sum = carry
+        g_sum = jax.tree.map(lambda a, b: a + w * b.astype(a.dtype), g_sum, g)
+        m_sum = {k: m_sum[k] + (w * m[k] if k in _PER_TARGET else m[k]) for k in m_sum}
+        return (g_sum, m_sum), None
+
+    _, m_shape = jax.eval_shape(
+        lambda: grad_fn(
+            params, jax.tree.map(lambda x: x[0], micro), index_emb, index_tokens, rng=rng
+        )[0]
+    )
+    m_shape.pop("retrieved_ids")
+    zeros = (
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        {k: jnp.zeros(v.shape, jnp.float32) for k, v in m_shape.items()},
+    )
+    (g_sum, m_sum), _ = jax.lax.scan(body, zeros, (jnp.arange(n), micro))
+    total = jnp.maximum(m_sum["num_targets"], 1.0)
+    grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), g_sum, params)
+    metrics = {
+        k: v / total if k in _PER_TARGET else v if k in _SUMMED else v / n for k, v in m_sum.items()
+    }
+    return grads, metrics
+
+
 def train_step(
     state: TrainState,
     batch,
@@ -241,9 +305,11 @@ def train_step(
     vocab_chunk: int = 0,
     seed: int = 0,
     own_block_steps: int = 0,
+    grad_accum: int = 1,
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
-    the masked sentence's own block is not excluded from retrieval (train.own_block_steps)."""
+    the masked sentence's own block is not excluded from retrieval (train.own_block_steps).
+    grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass."""
     if own_block_steps > 0:
         own = jnp.where(state.step < own_block_steps, -1, batch["block_id"])
         batch = dict(batch, block_id=own.astype(batch["block_id"].dtype))
@@ -258,13 +324,17 @@ def train_step(
         num_valid=num_valid,
         length=length,
         vocab_chunk=vocab_chunk,
-        rng=rng,
     )
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch, index_emb, index_tokens
-    )
+    if grad_accum > 1:
+        grads, metrics = accumulated_grads(
+            loss_fn, state.params, batch, index_emb, index_tokens, grad_accum, mesh, rng
+        )
+    else:
+        (_, metrics), grads = jax.value_and_grad(functools.partial(loss_fn, rng=rng), has_aux=True)(
+            state.params, batch, index_emb, index_tokens
+        )
+        metrics.pop("retrieved_ids")
     new_state = guarded_update(state, grads, metrics, optimizer)
-    metrics.pop("retrieved_ids")
     for name in grads:
         metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     metrics["staleness"] = state.step - index_step
@@ -284,6 +354,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         vocab_chunk=config.train.mlm_vocab_chunk,
         seed=config.train.seed,
         own_block_steps=int(config.train.get("own_block_steps", 0)),
+        grad_accum=int(config.train.get("grad_accum", 1)),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(
