@@ -227,6 +227,9 @@ class IndexFeed:
         128) every refresh.every steps; a collective (every process gathers the rows)."""
         t0 = time.time()
         host = sharding.to_host(self.emb)[: self.num_blocks]
+        if not np.isfinite(host).all():  # the loop stops such a run (train.max_nonfinite)
+            log.warning("index: step %d's embeddings are not finite: not kept", step)
+            return
         if jax.process_index() == 0:
             store.publish_index(self.dir, step, host, extra={"inprocess": True})
             retention.cleanup(self.dir, self.config.refresh.keep)
