@@ -361,6 +361,14 @@ def check_mesh(config, mesh, num_blocks: int) -> None:
             )
         if b % hosts:
             raise PlanError(f"{field} {b} is not divisible by the slice's {hosts} hosts")
+    accum = int(config.train.get("grad_accum", 1)) if config.task == "realm" else 1
+    if config.train.batch_size % (accum * sharding.data_size(mesh)):
+        raise PlanError(
+            f"train.batch_size {config.train.batch_size} does not split into "
+            f"train.grad_accum={accum} micro-batches over the mesh's data axis "
+            f"({sharding.data_size(mesh)}): it must be divisible by "
+            f"{accum * sharding.data_size(mesh)}"
+        )
     if num_blocks < mesh.devices.size:
         raise PlanError(
             f"{num_blocks} blocks for {mesh.devices.size} devices: every device needs at "

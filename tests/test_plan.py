@@ -153,6 +153,7 @@ def test_remat_lowers_the_compiled_temporaries():
             "mesh axis 'expert' (size 2) is used by no sharding rule",
         ),
         (("--num_blocks=3",), "3 blocks for 4 devices"),
+        (("--config.train.grad_accum=4",), "must be divisible by 16"),
         (("--topology=v4-96",), "48 chips: not a power of two"),
     ],
 )
