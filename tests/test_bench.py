@@ -187,3 +187,77 @@ def test_gradient_noise_jackknife_error_matches_the_spread_over_repeats():
         est.append(noise_scale(sq, float(mean @ mean), b, b * count)["grad_sq"])
         se.append(jackknife(micro, b)["grad_sq_se"])
     assert np.mean(se) == pytest.approx(np.std(est), rel=0.25)
+
+
+def test_gpu_reader_pack_round_trips_batches_weights_and_embedders(tmp_path):
+    """bench/gpu_minilm_reader.py moves a run between machines: the batches come back equal
+    (ids narrowed to uint8/uint16 only where exact, -1 ids kept), bfloat16 bits widen to
+    ml_dtypes' own cast, and the returned embedders, unpacked as a checkpoint workdir, are
+    what the ICT warm start (model.init_embedders_from_ict) restores."""
+    import json
+
+    import ml_dtypes
+    import numpy as np
+    from flax import linen as nn
+    from gpu_minilm_reader import (
+        WORD,
+        _bf16_bits,
+        _flat,
+        _from_bf16_bits,
+        _load_batches,
+        _save_batches,
+        main,
+    )
+
+    from realm_jax.config import load_config
+    from realm_jax.model.bert import ModelConfig
+    from realm_jax.model.inputs import dummy_input
+    from realm_jax.model.realm import RetrieverModel
+    from realm_jax.train.warm_start import ict_embedder_params
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "query_ids": rng.integers(0, 30522, (4, 6)).astype(np.int32),
+            "mlm_positions": rng.integers(0, 6, (4, 2)).astype(np.int32),
+            "mlm_weights": rng.integers(0, 2, (4, 2)).astype(np.float32),
+            "block_id": np.array([3, -1, 70000, 5], np.int32),
+            "example_id": np.arange(4, dtype=np.int64),  # host-side only: not stored
+        }
+        for _ in range(3)
+    ]
+    _save_batches(str(tmp_path / "b.npz"), batches)
+    stored = np.load(tmp_path / "b.npz")
+    assert stored["query_ids"].dtype == np.uint16 and stored["mlm_positions"].dtype == np.uint8
+    assert stored["block_id"].dtype == np.int32  # -1 and 70000 fit no narrower unsigned type
+    back = _load_batches(str(tmp_path / "b.npz"))
+    for a, b in zip(batches, back, strict=True):
+        assert set(b) == set(a) - {"example_id"}
+        for k, v in b.items():
+            assert v.dtype == a[k].dtype and np.array_equal(v, a[k])
+
+    w = rng.normal(size=(5, 7)).astype(np.float32)
+    want = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(_from_bf16_bits(_bf16_bits(w)), want)
+
+    config = load_config("configs/realm.py:smoke")
+    ecfg = ModelConfig.from_config(config.model, "embedder")
+    t = dummy_input(8)
+    params = nn.meta.unbox(RetrieverModel(ecfg).init(jax.random.key(1), t, t)["params"])
+    returned = tmp_path / "returned"
+    returned.mkdir()
+    names = sorted(params)
+    for n in names:
+        flat = {k: np.asarray(v) for k, v in _flat(params[n]).items()}
+        np.save(returned / f"{n}.word.npy", flat.pop(WORD))
+        np.savez(returned / f"{n}.rest.npz", **flat)
+    (returned / "metrics.json").write_text(json.dumps({"embedders": names, "steps_done": 7}))
+    workdir = str(tmp_path / "wd")
+    main(["unpack", "--returned", str(returned), "--workdir", workdir])
+    restored = ict_embedder_params(workdir, ecfg)
+    assert sorted(restored) == names
+    for n in names:
+        got, want = _flat(restored[n]), _flat(params[n])
+        assert set(got) == set(want)
+        for k in want:
+            assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), (n, k)
