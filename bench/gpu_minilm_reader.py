@@ -22,6 +22,13 @@ readers for the prepared TFDS records and takes 64 MiB a call, so the work is in
         --ict /work/suite/runs/ablations/ict --minilm PATH/TO/all-MiniLM-L6-v2
     python bench/gpu_minilm_reader.py run --out $OUT          # on the device
     python bench/gpu_minilm_reader.py unpack --returned DIR --workdir runs/exp/gpu-minilm
+
+On the device (2026-11-26): its image's JAX 0.11.2 with CUDA, and this project's pinned
+flax, optax, orbax-checkpoint and ml_collections carried as wheels (.whl, installed with
+`pip install --no-deps --target /root/site` and put first on PYTHONPATH). .dev/pack (43 MiB)
+and .dev/minilm (44 MiB) do not fit one call's 64 MiB, so a first call carries the pack and
+copies it out of the working tree (/root/stash), and a second call on the still-warm machine
+carries MiniLM and runs; a call whose `carry` leaves out an ignored folder may find it gone.
 """
 
 from __future__ import annotations
