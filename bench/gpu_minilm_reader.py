@@ -6,8 +6,8 @@ step's FLOPs); the `device` tool's GPU runs it in minutes. That machine has no .
 readers for the prepared TFDS records and takes 64 MiB a call, so the work is in three parts:
 
   pack    (here) the run's inputs as compact numpy in .dev/: the training batches exactly as
-          `realm-jax train` reads them (pipeline.train_loader, the same seed, so its REALM
-          steps see the sentences the CPU batch-512 run saw), the held-out evaluation
+          `realm-jax train` reads them (pipeline.train_loader, the same seed as the CPU
+          batch-512 run: batches 1-60 feed the reader-only steps), the held-out evaluation
           batches, the block table and titles, the ICT embedders (float32), and MiniLM's
           encoder as bfloat16 in .dev/minilm (a call's transfer of its own).
   run     (on the device) the product's own pieces over those inputs: train_step's state,
