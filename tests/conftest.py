@@ -1,4 +1,12 @@
-"""Test harness: 8 fake CPU devices, set before JAX starts; paths to ../shared."""
+"""Test harness: 8 fake CPU devices, set before JAX starts; paths to ../shared; the tiers.
+
+Tiers (docs/testing.md): a test's folder is its tier, and its marker is set here from the folder:
+  tests/unit         marker `unit`         in-process checks against independent references
+  tests/integration  marker `integration`  the CLI, fake GCS, multi-process jobs, short runs
+  tests/system       marker `system`       pod rehearsal, drills, long multi-process runs
+  tests/experiments  marker `experiments`  the studies' scripts (experiments/)
+`make check` runs unit, `make test` (CI) unit + integration, `make test-system` and
+`make test-experiments` the rest. Shared helpers live in tests/support/ and here."""
 
 import os
 
@@ -13,6 +21,7 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 SHARED = os.environ.get("REALM_JAX_SHARED", os.path.join(os.path.dirname(REPO), "shared"))
 
 
@@ -42,3 +51,23 @@ def prepare_sample_head(tmp_path_factory, config_fn, passages: int) -> str:
     ddir = str(root / "prepared")
     prepare.prepare(config_fn(f"data.corpus={root / 'corpus.jsonl'}"), ddir)
     return ddir
+
+
+TIERS = ("unit", "integration", "system", "experiments")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its folder's tier; a test outside the tier folders is an error."""
+    for item in items:
+        rel = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).split(os.sep)
+        if rel[0] not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/<tier>/, tiers {TIERS}")
+        item.add_marker(getattr(pytest.mark, rel[0]))
+
+
+@pytest.fixture(scope="module")
+def qa_files(tmp_path_factory):
+    """Two sample articles' passages prepared for ORQA fine-tuning, and their questions."""
+    from tests.support.runs import prepare_qa_files
+
+    return prepare_qa_files(tmp_path_factory)

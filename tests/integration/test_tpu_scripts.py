@@ -1,0 +1,656 @@
+"""tpu/launch.sh, tpu/refresh_slice.sh and tpu/sweep.sh with --dry-run: the gcloud commands they
+would run, for gs:// workdirs (no gcsfuse mount) and shared-filesystem paths, and the arguments
+they refuse (the refresh job on its own slice; --prepare detached, on Dataflow, and refused
+without the user's corpus); launch.sh --prepare run for real against a gcloud that runs the ssh
+command here (it returns at once, the log reaches WORKDIR); and tpu/sweep.sh run for real against
+a fake gcloud, its DONE/FAILED markers on a gs:// prefix (fake-gcs-server) and on a local one."""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+LAUNCH = os.path.join(REPO, "tpu", "launch.sh")
+SWEEP = os.path.join(REPO, "tpu", "sweep.sh")
+# what the scripts read from the environment (cleared for the tests, set where a test says)
+SCRIPT_ENV = (
+    "LAUNCH_FLAGS", "REFRESH_PLATFORMS", "REFRESH_TPU_NAME", "REFRESH_ZONE",
+    "REFRESH_ACCELERATOR_TYPE", "REFRESH_RUNTIME_VERSION", "PREPARE_FLAGS", "DATAFLOW_PROJECT",
+    "DATAFLOW_REGION", "DATAFLOW_TEMP_LOCATION", "DATAFLOW_OPTIONS", "CLOUDSDK_CORE_PROJECT",
+)  # fmt: skip
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return _run_env({}, script, *args)
+
+
+def _run_env(extra: dict, script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
+    env.update(extra)
+    return subprocess.run(
+        ["bash", script, *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def _words(line: str) -> list[str]:
+    """A printed command line split into words by bash itself (printf %q uses $'...')."""
+    out = subprocess.run(
+        ["bash", "-c", 'eval "set -- $1"; printf "%s\\0" "$@"', "_", line],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split("\0")[:-1]
+
+
+def _commands(stdout: str) -> list[str]:
+    """The --command= of each printed `gcloud ... ssh` line (unquoted as a shell would)."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith("gcloud "):
+            words = _words(line)
+            assert words[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"], line
+            out += [w.removeprefix("--command=") for w in words if w.startswith("--command=")]
+    return out
+
+
+def test_launch_dry_run_with_a_gcs_workdir():
+    wd = "gs://my-bucket/runs/base1"
+    r = _run(LAUNCH, "--dry-run", "tpu1", "us-central2-b", wd + "/", "configs/realm.py:base")
+    assert r.returncode == 0, r.stderr
+    refresh, train = _commands(r.stdout)
+    assert f"realm_jax refresh --config configs/realm.py:base --workdir {wd} " in refresh
+    assert f"realm_jax train --config configs/realm.py:base --workdir {wd} --multihost" in train
+    assert "gcsfuse" not in r.stdout + r.stderr
+    assert "logs/base1/" in train  # the run name is the URL's last folder
+    assert f"tpu/launch.sh --stop --run base1 tpu1 us-central2-b {wd} " in r.stdout
+
+
+# ------------------------------------------------- the refresh job on its own slice
+
+REFRESH_SLICE = os.path.join(REPO, "tpu", "refresh_slice.sh")
+WD = "gs://my-bucket/runs/base1"
+
+
+def _ssh_lines(stdout: str) -> list[list[str]]:
+    return [
+        _words(x) for x in stdout.splitlines() if x.startswith("gcloud compute tpus tpu-vm ssh")
+    ]
+
+
+def _flag(words: list[str], flag: str) -> str:
+    (value,) = [w.split("=", 1)[1] for w in words if w.startswith(flag + "=")]
+    return value
+
+
+@pytest.mark.parametrize("accel", [None, "v5litepod-8"])
+def test_refresh_slice_create_uses_the_requested_accelerator_type(accel):
+    """Its name, zone and accelerator type from the environment (defaults: NAME-refresh, the
+    trainer's zone, v4-8), created by tpu/create.sh; setup installs it as tpu/setup.sh does."""
+    env = {"REFRESH_ACCELERATOR_TYPE": accel} if accel else {}
+    r = _run_env(env, REFRESH_SLICE, "--dry-run", "create", "tpu1", "us-central2-b")
+    assert r.returncode == 0, r.stderr
+    (create,) = [_words(x) for x in r.stdout.splitlines() if x.startswith("gcloud ")]
+    assert create[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "tpu1-refresh"]
+    assert _flag(create, "--accelerator-type") == (accel or "v4-8")
+    assert _flag(create, "--zone") == "us-central2-b"
+
+    r = _run(
+        REFRESH_SLICE, "--dry-run", "--name", "refresher", "--zone", "europe-west4-a",
+        "--accelerator-type", "v3-8", "--spot", "create", "tpu1", "us-central2-b",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (create,) = [_words(x) for x in r.stdout.splitlines() if x.startswith("gcloud ")]
+    assert create[5] == "refresher" and "--spot" in create
+    assert _flag(create, "--accelerator-type") == "v3-8"
+    assert _flag(create, "--zone") == "europe-west4-a"
+
+    r = _run(REFRESH_SLICE, "--dry-run", "setup", "tpu1", "us-central2-b")
+    assert r.returncode == 0, r.stderr
+    assert {w[5] for w in _ssh_lines(r.stdout)} == {"tpu1-refresh"}
+    assert all("--worker=all" in w for w in _ssh_lines(r.stdout))
+    assert any("pip install" in _flag(w, "--command") for w in _ssh_lines(r.stdout))
+
+
+def test_refresh_slice_start_runs_the_refresh_job_on_every_worker():
+    r = _run(
+        REFRESH_SLICE, "--dry-run", "start", "tpu1", "us-central2-b", WD + "/",
+        "configs/realm.py:base", "--config.mesh.shape=16,1", "--config.refresh.every=500",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (ssh,) = _ssh_lines(r.stdout)
+    assert ssh[5] == "tpu1-refresh" and "--worker=all" in ssh and "--zone=us-central2-b" in ssh
+    command = _flag(ssh, "--command")
+    assert (
+        "setsid nohup .venv/bin/python -m realm_jax refresh --config configs/realm.py:base "
+        f"--workdir {WD} --multihost" in command
+    )
+    assert "--config.refresh.every=500" in command and "--config.refresh.mode=external" in command
+    assert "mesh.shape" not in command  # the trainer's mesh: the refresher uses its own devices
+    assert "logs/base1/refresh-w$W.log" in command and "JAX_PLATFORMS" not in command
+
+    r = _run(REFRESH_SLICE, "--dry-run", "stop", "tpu1", "z", WD, "configs/realm.py:base")
+    assert r.returncode == 0, r.stderr
+    (ssh,) = _ssh_lines(r.stdout)
+    assert ssh[5] == "tpu1-refresh" and "--worker=all" in ssh
+    assert "logs/base1/refresh-w*.pid" in _flag(ssh, "--command")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["start", "tpu1", "z", WD, "configs/realm.py:base", "--config.refresh.mode=inprocess"],
+         "a refresh slice serves refresh.mode=external"),
+        (["start", "tpu1", "z", "runs/rel", "configs/realm.py:base"], "gs://BUCKET/FOLDER"),
+        (["start", "tpu1", "z"], "start expects NAME ZONE WORKDIR CONFIG_SPEC"),
+        (["--name", "tpu1", "create", "tpu1", "z"], "must not be the training slice"),
+        (["--accelerator-type", "tpu4", "create", "tpu1", "z"], "does not look like v4-8"),
+        (["resize", "tpu1", "z"], "unknown ACTION 'resize'"),
+    ],
+)  # fmt: skip
+def test_refresh_slice_refuses_bad_arguments(args, message):
+    r = _run(REFRESH_SLICE, "--dry-run", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stdout == "", r.stderr
+    assert len(r.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_refresh_slice_teardown_deletes_the_refresh_slice(queued):
+    env = {"REFRESH_TPU_NAME": "my-refresher", "REFRESH_ZONE": "us-east5-a"}
+    r = _run_env(env, REFRESH_SLICE, "--dry-run", *(["--queued"] * queued), "delete", "tpu1", "z")
+    assert r.returncode == 0, r.stderr
+    (delete,) = [_words(x) for x in r.stdout.splitlines() if x.startswith("gcloud ")]
+    kind = ["queued-resources", "delete"] if queued else ["tpu-vm", "delete"]
+    assert delete[:6] == ["gcloud", "compute", "tpus", *kind, "my-refresher"]
+    assert "--zone=us-east5-a" in delete and "tpu1" not in delete
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_launch_with_a_refresh_slice_starts_no_refresher_on_worker_0(wait):
+    """--refresh-slice: the refresh job on every worker of NAME-refresh, the trainers on the
+    training slice with refresh.mode=external and no refresher beside them; --wait and --stop
+    stop it there."""
+    r = _run(
+        LAUNCH, "--dry-run", *(["--wait"] * wait), "--refresh-slice", "tpu1", "us-central2-b",
+        WD, "configs/realm.py:base", "--config.mesh.shape=8,2",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = _ssh_lines(r.stdout)
+    hosts = [(w[5], _flag(w, "--worker")) for w in lines]
+    start = [("tpu1-refresh", "all"), ("tpu1", "all")]
+    assert hosts == start + [("tpu1-refresh", "all")] * wait  # nothing on tpu1's worker 0
+    refresh, train = (_flag(w, "--command") for w in lines[:2])
+    assert f"realm_jax refresh --config configs/realm.py:base --workdir {WD} --multihost" in refresh
+    assert f"realm_jax train --config configs/realm.py:base --workdir {WD} --multihost" in train
+    assert "--config.refresh.mode=external" in train and "refresh.pid" not in r.stdout
+    assert "--config.mesh.shape=8\\,2" in train and "mesh.shape" not in refresh
+    if wait:
+        assert "refresh-w*.pid" in _flag(lines[2], "--command")  # stopped after training
+    else:
+        assert (
+            f"tpu/launch.sh --stop --refresh-slice --run base1 tpu1 us-central2-b {WD} " in r.stdout
+        )
+
+    r = _run(
+        LAUNCH, "--dry-run", "--stop", "--refresh-slice", "tpu1", "z", WD, "configs/realm.py:base"
+    )
+    assert r.returncode == 0, r.stderr
+    hosts = [(w[5], _flag(w, "--worker")) for w in _ssh_lines(r.stdout)]
+    assert hosts == [("tpu1", "all"), ("tpu1-refresh", "all")]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.refresh.mode=inprocess"], "--refresh-slice needs refresh.mode=external"),
+        (["--no-refresh"], "--refresh-slice and --no-refresh do not go together"),
+    ],
+)
+def test_launch_refresh_slice_refuses_a_trainer_that_refreshes_itself(args, message):
+    r = _run(
+        LAUNCH, "--dry-run", "--refresh-slice", "tpu1", "z", WD, "configs/realm.py:base", *args
+    )
+    assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+# ------------------------------------------------- tpu/launch.sh --prepare
+
+
+def test_launch_prepare_without_a_corpus_is_one_line():
+    """The config's corpus is the bundled sample: --prepare refuses it unless named."""
+    for script, spec in ((LAUNCH, "configs/realm.py:base"), (SWEEP, "configs/realm.py")):
+        r = _run(script, "--dry-run", "--prepare", "tpu1", "z", WD, spec)
+        assert r.returncode == 2 and r.stdout == "", r.stdout
+        (line,) = r.stderr.splitlines()
+        assert "--prepare needs your corpus: add --config.data.corpus=" in line
+        assert "408-passage sample" in line
+    r = _run(
+        LAUNCH, "--dry-run", "--prepare", "tpu1", "z", WD, "configs/realm.py:base",
+        "--config.data.corpus=data/sample/corpus.jsonl",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr  # named explicitly: prepared
+
+
+def test_launch_prepare_runs_detached_with_its_log_on_gcs():
+    corpus = "gs://my-bucket/input/wiki.jsonl"
+    r = _run_env(
+        {"PREPARE_FLAGS": "--overwrite"}, LAUNCH, "--dry-run", "--prepare", "tpu1",
+        "us-central2-b", WD, "configs/realm.py:base", f"--config.data.corpus={corpus}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (ssh,) = _ssh_lines(r.stdout)  # prepare only: no refresher, no trainers
+    assert ssh[5] == "tpu1" and "--worker=0" in ssh
+    command = _flag(ssh, "--command")
+    words = _words(command.split(" -- ")[1].split(">")[0])
+    assert words[:5] == [".venv/bin/python", "-m", "realm_jax", "prepare", "--config"]
+    assert f"--config.data.corpus={corpus}" in words and "--overwrite" in words
+    assert (
+        "setsid nohup bash tpu/run_logged.sh ~/realm-jax/logs/base1/prepare.log "
+        f"{WD}/logs/prepare.log --" in command
+    )
+    assert "> /dev/null 2>&1 < /dev/null &" in command and "logs/base1/prepare.pid" in command
+    assert f"gcloud storage cat {WD}/logs/prepare.log" in r.stdout
+    assert "tail -f ~/realm-jax/logs/base1/prepare.log" in r.stdout
+
+    # with --wait (tpu/sweep.sh): in the foreground, then the refresher and the trainers
+    r = _run(
+        LAUNCH, "--dry-run", "--wait", "--prepare", "tpu1", "z", WD, "configs/realm.py:base",
+        f"--config.data.corpus={corpus}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    prep, refresh, train, stop = _commands(r.stdout)
+    assert "realm_jax prepare" in prep and "nohup" not in prep and "run_logged" not in prep
+    assert "realm_jax refresh" in refresh and "realm_jax train" in train
+
+
+def test_launch_prepare_on_dataflow():
+    corpus = "gs://my-bucket/input/wiki.jsonl"
+    env = {"DATAFLOW_PROJECT": "proj-1", "DATAFLOW_OPTIONS": "--max_num_workers=64"}
+    args = ["--dry-run", "--prepare", "--runner", "dataflow", "tpu1", "us-central2-b", WD,
+            "configs/realm.py:base"]  # fmt: skip
+    r = _run_env(env, LAUNCH, *args, f"--config.data.corpus={corpus}")
+    assert r.returncode == 0, r.stderr
+    (ssh,) = _ssh_lines(r.stdout)
+    command = _flag(ssh, "--command")
+    assert "setsid nohup bash tpu/run_logged.sh" in command
+    words = _words(command.split(" -- ")[1].split(">")[0])
+    assert "--beam_runner=DataflowRunner" in words
+    (options,) = [
+        w.removeprefix("--beam_options=") for w in words if w.startswith("--beam_options=")
+    ]
+    assert options.split() == [
+        "--project=proj-1", "--region=us-central2", f"--temp_location={WD}/dataflow/tmp",
+        f"--staging_location={WD}/dataflow/staging", "--setup_file=./pyproject.toml",
+        "--requirements_file=requirements.txt", "--max_num_workers=64",
+    ]  # fmt: skip
+    for extra, message in (
+        (["--config.data.corpus=/local/wiki.jsonl"], "needs --config.data.corpus=gs://"),
+        ([], "needs --config.data.corpus=gs://"),
+    ):
+        r = _run_env(env, LAUNCH, *args, *extra)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1
+    r = _run_env(env, LAUNCH, "--dry-run", "--runner", "dataflow", *args[4:])
+    assert r.returncode == 2 and "--runner goes with --prepare" in r.stderr
+
+
+# A gcloud that runs each `ssh --command=...` here, in a fake home whose ~/realm-jax has the real
+# tpu/ scripts and a .venv/bin/python whose `-m realm_jax COMMAND` runs until a release file
+# appears (or SIGTERM); a curl that fails (no metadata server: the worker id is the hostname).
+EXEC_GCLOUD = """#!{python}
+import os, subprocess, sys
+command = next(a for a in sys.argv if a.startswith("--command=")).removeprefix("--command=")
+env = dict(os.environ, HOME=os.environ["FAKE_HOME"])
+sys.exit(subprocess.run(["bash", "-c", command], env=env).returncode)
+"""
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [ "$1 $2" = "-m realm_jax" ]; then
+  trap 'echo "$3 stopped"; exit 0' TERM
+  echo "$3 started: $*"
+  for i in $(seq 600); do [ -e "$RELEASE" ] && break; sleep 0.1; done
+  echo "$3 done"; exit 0
+fi
+exec {python} "$@"
+"""
+
+
+@pytest.fixture
+def exec_pod(tmp_path):
+    """(environment, fake home's repo, release file) for running tpu/ scripts for real here."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    (home / "realm-jax" / ".venv" / "bin").mkdir(parents=True)
+    (home / "realm-jax" / "tpu").symlink_to(os.path.join(REPO, "tpu"))
+    fake_python = home / "realm-jax" / ".venv" / "bin" / "python"
+    fake_python.write_text(FAKE_PYTHON.format(python=sys.executable))
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(EXEC_GCLOUD.format(python=sys.executable))
+    (bin_dir / "curl").write_text("#!/bin/sh\nexit 7\n")
+    for f in (fake_python, bin_dir / "gcloud", bin_dir / "curl"):
+        f.chmod(0o755)
+    release = tmp_path / "release"
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=REPO, PYTHON=sys.executable,
+        FAKE_HOME=str(home), RELEASE=str(release),
+    )  # fmt: skip
+    yield env, home / "realm-jax", release
+    release.touch()  # whatever a failed test left running ends
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_for(predicate, seconds: float = 60.0) -> bool:
+    deadline = time.time() + seconds
+    while not predicate():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.parametrize("where", ["gs", "shared"])
+def test_launch_prepare_detached_returns_at_once_and_its_log_arrives(where, exec_pod, request):
+    """For real, against a gcloud that runs the ssh command here: launch.sh returns while the
+    prepare still runs (its ssh session gone), and the log reaches WORKDIR/logs/prepare.log,
+    ending with the exit status, once it finishes."""
+    env, repo, release = exec_pod
+    if where == "gs":
+        env.update(request.getfixturevalue("gcs").env)  # after exec_pod made env
+        workdir = f"gs://{BUCKET}/runs/prep1"
+    else:
+        workdir = str(repo.parent.parent / "shared" / "runs" / "prep1")
+    t0 = time.time()
+    r = subprocess.run(
+        ["bash", LAUNCH, "--prepare", "tpu1", "z", workdir, "configs/realm.py:base",
+         "--config.data.corpus=gs://elsewhere/wiki.jsonl"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    local_log = repo / "logs" / "prep1" / "prepare.log"
+    pid = int((repo / "logs" / "prep1" / "prepare.pid").read_text())
+    try:
+        assert _alive(pid) and time.time() - t0 < 50  # launch.sh did not wait for it
+        started = lambda: local_log.exists() and "prepare started" in local_log.read_text()  # noqa: E731
+        assert _wait_for(started, 30)
+        assert "prepare done" not in local_log.read_text()
+        assert "-m realm_jax prepare --config configs/realm.py:base" in local_log.read_text()
+        assert f"prepare pid {pid}" in r.stdout
+    finally:
+        release.touch()
+    from realm_jax import fs
+
+    log_url = f"{workdir}/logs/prepare.log"
+    done = lambda: fs.exists(log_url) and fs.read_text(log_url).endswith("exit status 0\n")  # noqa: E731
+    assert _wait_for(done), fs.exists(log_url) and fs.read_text(log_url)
+    text = fs.read_text(log_url)
+    assert text.startswith("prepare started:") and text.endswith("prepare done\nexit status 0\n")
+
+
+def test_launch_detaches_the_trainer_and_refresher_and_stops_them(exec_pod, tmp_path):
+    """launch.sh's ssh commands return at once (nothing keeps the session's output open), each
+    process's pid file names it, and --stop sends it SIGTERM."""
+    env, repo, _ = exec_pod
+    args = ["tpu1", "z", str(tmp_path / "shared" / "run1"), "configs/realm.py:base"]
+    t0 = time.time()
+    r = subprocess.run(
+        ["bash", LAUNCH, *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.time() - t0 < 50
+    logs = repo / "logs" / "run1"
+    host = os.uname().nodename
+    pids = {f: int((logs / f).read_text()) for f in ("refresh.pid", f"train-w{host}.pid")}
+    assert all(_alive(p) for p in pids.values()), pids
+    for log, command in (("refresh.log", "refresh"), (f"train-w{host}.log", "train")):
+        started = lambda: f"{command} started" in (logs / log).read_text()  # noqa: E731,B023
+        assert _wait_for(started, 30)
+    r = subprocess.run(
+        ["bash", LAUNCH, "--stop", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _wait_for(lambda: not any(_alive(p) for p in pids.values()), 30)
+    assert "train stopped" in (logs / f"train-w{host}.log").read_text()
+    assert "refresh stopped" in (logs / "refresh.log").read_text()
+    assert not list(logs.glob("*.pid"))
+
+
+def test_run_logged_passes_sigterm_on_and_keeps_the_exit_status(tmp_path):
+    """tpu/run_logged.sh: SIGTERM reaches the command; its status ends the log (copied)."""
+    log, url = tmp_path / "w" / "a.log", tmp_path / "remote" / "logs" / "a.log"
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=REPO)
+    script = "trap 'echo got TERM; exit 7' TERM; echo up; while :; do sleep 0.1; done"
+    p = subprocess.Popen(
+        ["bash", os.path.join(REPO, "tpu", "run_logged.sh"), "--every", "1", str(log), str(url),
+         "--", "bash", "-c", script],
+        cwd=REPO, env=env,
+    )  # fmt: skip
+    deadline = time.time() + 30
+    while not (url.exists() and "up" in url.read_text()) and time.time() < deadline:
+        time.sleep(0.2)  # copied while it runs
+    assert url.read_text() == "up\n"
+    p.terminate()
+    assert p.wait(timeout=30) == 7
+    assert url.read_text() == log.read_text() == "up\ngot TERM\nexit status 7\n"
+
+
+def test_scripts_parse_and_pass_shellcheck():
+    scripts = sorted(glob.glob(os.path.join(REPO, "tpu", "*.sh")))
+    names = {os.path.basename(s) for s in scripts}
+    assert names >= {"launch.sh", "refresh_slice.sh", "run_logged.sh"}
+    for script in scripts:
+        r = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (bash -n passed)")
+    r = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_launch_dry_run_with_a_shared_filesystem_workdir():
+    r = _run(
+        LAUNCH, "--dry-run", "--no-refresh", "tpu1", "z", "/mnt/nfs/runs/a", "configs/realm.py:base"
+    )
+    assert r.returncode == 0, r.stderr
+    (train,) = _commands(r.stdout)
+    assert "--workdir /mnt/nfs/runs/a --multihost" in train
+
+
+@pytest.mark.parametrize(
+    "spec, task", [("configs/orqa.py:base", "qa"), ("configs/ict.py:base", "ict")]
+)
+@pytest.mark.parametrize("wait", [False, True])
+def test_launch_starts_no_refresher_for_a_run_that_reads_no_refreshed_index(spec, task, wait):
+    """QA fine-tuning keeps its index frozen and ICT has none: only the trainers start (and
+    with --wait, as tpu/sweep.sh runs them, no refresher is stopped afterwards)."""
+    wd = "gs://my-bucket/runs/qa1"
+    r = _run(LAUNCH, "--dry-run", *(["--wait"] * wait), "tpu1", "z", wd, spec)
+    assert r.returncode == 0, r.stderr
+    (train,) = _commands(r.stdout)
+    assert f"realm_jax train --config {spec} --workdir {wd} --multihost" in train
+    assert "realm_jax refresh" not in r.stdout and "refresh.pid" not in r.stdout
+    assert f"no refresher: config task {task} reads no refreshed index" in r.stdout
+
+
+def test_launch_names_a_bad_override_before_anything_starts():
+    r = _run(
+        LAUNCH, "--dry-run", "tpu1", "z", "gs://b-1/run", "configs/realm.py:base",
+        "--config.train.lrr=1",
+    )  # fmt: skip
+    assert r.returncode == 2 and "train.lrr" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "workdir, message",
+    [
+        ("gs://my-bucket", "must be gs://BUCKET/FOLDER (a folder inside the bucket)"),
+        ("gs://My_Bucket/run", "must be gs://BUCKET/FOLDER"),
+        ("gs:/my-bucket/run", "gs://BUCKET/FOLDER or an absolute path"),
+        ("runs/relative", "gs://BUCKET/FOLDER or an absolute path"),
+    ],
+)
+def test_launch_refuses_bad_workdirs(workdir, message):
+    r = _run(LAUNCH, "--dry-run", "tpu1", "z", workdir, "configs/realm.py:base")
+    assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+def test_sweep_dry_run_with_a_gcs_prefix():
+    r = _run(SWEEP, "--dry-run", "tpu1", "z", "gs://my-bucket/sweeps/lr/", "configs/realm.py")
+    assert r.returncode == 0, r.stderr
+    lines = [_words(x) for x in r.stdout.splitlines() if x.strip()]
+    assert lines, "no sweep points printed"
+    for words in lines:
+        assert words[0] == LAUNCH and words[1:3] == ["--wait", "--run"]
+        point = words[3]
+        assert f"gs://my-bucket/sweeps/lr/{point}" in words  # WORKDIR_PREFIX/P, one slash
+
+
+def test_sweep_refuses_a_relative_prefix():
+    r = _run(SWEEP, "--dry-run", "tpu1", "z", "sweeps/lr", "configs/realm.py")
+    assert r.returncode == 2 and "gs://BUCKET/... or an absolute path" in r.stderr
+
+
+# ------------------------------------------------- tpu/sweep.sh's markers on a gs:// prefix
+
+BUCKET = "realm-test"
+SPEC = "configs/ict.py"  # 4 points: mask_rate 0.9/1.0 x lr 1e-4/3e-4
+SKIPPED, FAILING, STOPPED, FINISHING = (
+    "mask_rate=0.9,lr=0.0001",
+    "mask_rate=0.9,lr=0.0003",
+    "mask_rate=1.0,lr=0.0001",
+    "mask_rate=1.0,lr=0.0003",
+)
+
+# Stands in for gcloud on PATH: the `ssh --command=...` that would train a point on the pod
+# writes what the trainers would (WORKDIR/metrics.json, through realm_jax.fs) and exits as
+# they would: FAILING fails, STOPPED is stopped early (SIGTERM: exit 0 before train.steps),
+# every other point finishes.
+FAKE_GCLOUD = """#!{python}
+import json, os, shlex, sys
+from realm_jax import fs
+with open(os.environ["FAKE_GCLOUD_LOG"], "a") as f:
+    f.write(shlex.join(sys.argv[1:]) + "\\n")
+command = next(a for a in sys.argv if a.startswith("--command=")).removeprefix("--command=")
+words = shlex.split(command)
+workdir = words[words.index("--workdir") + 1]
+if workdir.endswith("/{failing}"):
+    sys.exit(3)
+step = 2 if workdir.endswith("/{stopped}") else 4
+metrics = dict(step=step, steps=4, complete=step == 4, train=dict(loss=1.5))
+if fs.is_remote(workdir) or os.path.isdir(workdir):  # else mounted on the pod only
+    fs.write_text(fs.join(workdir, "metrics.json"), json.dumps(metrics))
+"""
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """fake-gcs-server for the module, its environment set here (the scripts inherit it)."""
+    from tests.support import fake_gcs
+
+    if fake_gcs.binary() is None:
+        pytest.skip("fake-gcs-server is not installed: the gs:// sweep test needs a local GCS")
+    with fake_gcs.FakeGCS(buckets=(BUCKET,)) as server, pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env.items():
+            mp.setenv(key, value)
+        import gcsfs  # after the environment: it reads some of it when first imported
+
+        gcsfs.GCSFileSystem.clear_instance_cache()
+        yield server
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def _sweep_on_fake_pod(tmp_path, prefix: str) -> subprocess.CompletedProcess:
+    """tpu/sweep.sh for real (no --dry-run) over SPEC's points, with the fake gcloud first on
+    PATH and no refresher (one ssh per point)."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        fake = FAKE_GCLOUD.format(python=sys.executable, failing=FAILING, stopped=STOPPED)
+        (bin_dir / "gcloud").write_text(fake)
+        (bin_dir / "gcloud").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "REFRESH_PLATFORMS"}
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        PYTHONPATH=REPO,
+        PYTHON=sys.executable,
+        LAUNCH_FLAGS="--no-refresh",
+        FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.log"),
+    )
+    return subprocess.run(
+        ["bash", SWEEP, "tpu1", "z", prefix, SPEC],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+def _ssh_workdirs(tmp_path) -> list[str]:
+    """The workdir of each fake `gcloud ... ssh` call, in order (and forget them)."""
+    log = tmp_path / "gcloud.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return [line.split("--workdir ")[1].split()[0].replace("\\,", ",") for line in lines]
+
+
+def test_sweep_marks_points_on_a_gcs_prefix(gcs, tmp_path):
+    """With a gs:// prefix (mounted nowhere) a point with DONE is skipped (an older sweep's
+    date-only marker too), a finished one gets DONE, a failed or stopped one FAILED, each a
+    JSON record through realm_jax.fs; the table reads them (no longer all pending)."""
+    from realm_jax import fs
+    from realm_jax.sweep import table
+    from realm_jax.sweep.points import sweep_points
+
+    prefix = f"gs://{BUCKET}/sweeps/tpu"
+    points = sweep_points(SPEC)
+    assert [name for name, _ in points] == [SKIPPED, FAILING, STOPPED, FINISHING]
+    fs.write_text(f"{prefix}/{SKIPPED}/DONE", "2026-11-23T05:00:00Z\n")
+    r = _sweep_on_fake_pod(tmp_path, prefix + "/")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"skipping {SKIPPED}: {prefix}/{SKIPPED}/DONE exists" in r.stdout
+    assert f"failed points: {FAILING} {STOPPED}" in r.stderr
+    assert _ssh_workdirs(tmp_path) == [f"{prefix}/{n}" for n in (FAILING, STOPPED, FINISHING)]
+    done = json.loads(fs.read_text(f"{prefix}/{FINISHING}/DONE"))
+    assert (done["name"], done["returncode"], done["step"]) == (FINISHING, 0, 4)
+    assert isinstance(done["wall_s"], float)
+    assert json.loads(fs.read_text(f"{prefix}/{FAILING}/FAILED"))["returncode"] == 3
+    stopped = json.loads(fs.read_text(f"{prefix}/{STOPPED}/FAILED"))
+    assert stopped["error"] == "stopped at step 2 of 4"
+    assert not fs.exists(f"{prefix}/{FAILING}/DONE") and not fs.exists(f"{prefix}/{STOPPED}/DONE")
+    status = {row["name"]: row["status"] for row in table.rows(prefix, points)}
+    assert status == {SKIPPED: "done", FAILING: "failed", STOPPED: "failed", FINISHING: "done"}
+
+
+def test_sweep_marks_points_on_a_local_prefix_only_where_mounted(tmp_path):
+    """A shared-filesystem prefix: markers where it is mounted here too, none where it is not
+    (the exit status alone then says which points failed)."""
+    prefix = tmp_path / "sweep"
+    for name in (SKIPPED, FAILING, STOPPED, FINISHING):
+        (prefix / name).mkdir(parents=True)
+    (prefix / SKIPPED / "DONE").write_text("2026-11-23T05:00:00Z\n")
+    r = _sweep_on_fake_pod(tmp_path, str(prefix))
+    assert r.returncode == 1 and f"failed points: {FAILING} {STOPPED}" in r.stderr, r.stderr
+    assert json.loads((prefix / FINISHING / "DONE").read_text())["step"] == 4
+    assert (prefix / FAILING / "FAILED").exists() and (prefix / STOPPED / "FAILED").exists()
+    assert len(_ssh_workdirs(tmp_path)) == 3
+
+    elsewhere = str(tmp_path / "not-mounted-here")
+    r = _sweep_on_fake_pod(tmp_path, elsewhere)
+    assert r.returncode == 1 and r.stderr.endswith(f"failed points: {FAILING}\n"), r.stderr
+    assert len(_ssh_workdirs(tmp_path)) == 4 and not os.path.exists(elsewhere)
+
+
+def test_sweep_stops_on_a_bucket_it_cannot_reach(gcs, tmp_path):
+    r = _sweep_on_fake_pod(tmp_path, "gs://no-such-bucket/sweeps/x")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "bucket gs://no-such-bucket does not exist" in r.stderr
+    assert _ssh_workdirs(tmp_path) == []
