@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
-.PHONY: venv test test-slow smoke lint format bench clean squad-qa peer-bench drills plan \
-	pod-rehearsal ablations
+.PHONY: venv test check test-system test-experiments test-slow smoke lint format bench clean \
+	squad-qa peer-bench drills plan pod-rehearsal ablations
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,23 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
+# Test tiers (docs/testing.md): a test's folder is its tier.
+# `make test` is what CI runs: unit + integration (the CLI, fake GCS, 2-process jobs), <= 15 min
+# on a 2-core machine.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 tests/unit tests/integration
+
+# Lint and the unit tier: a few minutes, for every change.
+check: lint
+	$(PY) -m pytest -q tests/unit
+
+# Pod rehearsal, drills, long multi-process runs: outside CI, before a release or a pod job.
+test-system: $(STAMP)
+	$(PY) -m pytest -q --durations=15 tests/system
+
+# The studies' scripts (experiments/): outside CI.
+test-experiments: $(STAMP)
+	$(PY) -m pytest -q --durations=15 tests/experiments
 
 # The TPU compiler (libtpu) lives in its own venv: `plan` and the slow tests compile for TPU
 # slices without a TPU; the default venv stays CPU-only.
@@ -37,7 +52,7 @@ test-slow: $(PLAN_STAMP)
 
 # Does base fit a pod slice? docs/benchmarks.md "Pod plan" (PLAN_ARGS="--only v3-64").
 plan: $(PLAN_STAMP)
-	JAX_PLATFORMS=cpu $(PLAN_VENV)/bin/python bench/plan_base.py $(PLAN_ARGS)
+	JAX_PLATFORMS=cpu $(PLAN_VENV)/bin/python benchmarks/plan_base.py $(PLAN_ARGS)
 
 # The main job on the bundled sample: prepare the data (idempotent), then trainer + refresher
 # together on 2 fake CPU devices. Starts from scratch each time (prepared data is reused).
@@ -46,34 +61,39 @@ smoke: $(STAMP)
 	$(PY) -m realm_jax prepare --config configs/realm.py:smoke --workdir $(SMOKE_DIR)
 	$(PY) -m realm_jax local --config configs/realm.py:smoke --workdir $(SMOKE_DIR) --cpu_devices 2
 
+LINT_DIRS := realm_jax configs tests benchmarks acceptance experiments
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check realm_jax configs tests bench
-	$(VENV)/bin/ruff format --check realm_jax configs tests bench
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+	$(VENV)/bin/ruff format --check $(LINT_DIRS)
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format realm_jax configs tests bench
-	$(VENV)/bin/ruff check --fix realm_jax configs tests bench
+	$(VENV)/bin/ruff format $(LINT_DIRS)
+	$(VENV)/bin/ruff check --fix $(LINT_DIRS)
 
-# The open-domain QA reference result (docs/results.md): the squad recipe's stages that are not
-# done yet (prepare, ICT, REALM pre-training), ORQA fine-tuning, evaluation. Needs ../shared.
+# The open-domain QA reference result (experiments/squad_qa/README.md): the squad recipe's
+# stages that are not done yet (prepare, ICT, REALM pre-training), ORQA fine-tuning,
+# evaluation. Needs ../shared.
 squad-qa: $(STAMP)
-	$(PY) bench/squad_qa.py
+	$(PY) experiments/squad_qa/squad_qa.py
 
-# REALM's ablations (docs/results.md "Ablations"): BM25 + reader, ICT only, and REALM with
+# REALM's ablations (experiments/ablations/README.md): BM25 + reader, ICT only, and REALM with
 # salient / random span / uniform masks / a 30x stale index, each pre-trained (a `sweep`,
 # resumable point by point), fine-tuned the same way and scored on held-out SQuAD articles.
 # Needs ../shared. ABLATIONS_ARGS="--scale quick" for a short end-to-end check.
 ablations: $(STAMP)
-	$(PY) bench/ablations.py $(ABLATIONS_ARGS)
+	$(PY) experiments/ablations/ablations.py $(ABLATIONS_ARGS)
 
+# The cheap benchmarks (a few minutes on 2 CPU cores), each writing its section of
+# docs/benchmarks.md; BENCH_ARGS="--all" adds the long ones (benchmarks/run_all.py --list).
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 # Reliability drills (docs/reliability.md, "Drills"): kill -9 the trainer and the refresh job at
 # random moments, damage checkpoints, check what survived. About 20 minutes on 2 CPU cores;
 # DRILLS_ARGS="--quick" for a few minutes' check (it leaves the doc alone).
 drills: $(STAMP)
-	$(PY) bench/drills.py $(DRILLS_ARGS)
+	$(PY) acceptance/drills.py $(DRILLS_ARGS)
 
 # The pod rehearsal (docs/reliability.md, "Pod rehearsal"): the chain prepare -> ICT -> REALM
 # with its refresh job -> finetune -> evaluate -> ask as 2 jax.distributed processes x 2 fake
@@ -81,7 +101,7 @@ drills: $(STAMP)
 # loopback port), with kill -9 and a resume on another process count, every stage compared
 # with one process on local disk. REHEARSAL_ARGS="--quick" for the short chain make test runs.
 pod-rehearsal: $(STAMP)
-	$(PY) bench/pod_rehearsal.py $(REHEARSAL_ARGS)
+	$(PY) acceptance/pod_rehearsal.py $(REHEARSAL_ARGS)
 
 # The peer benchmark (docs/benchmarks.md): HuggingFace transformers' REALM in its own venv.
 # torch is pinned to the CPU wheel and installed before transformers, so nothing pulls a
@@ -96,7 +116,7 @@ $(PEER_STAMP):
 	touch $(PEER_STAMP)
 
 peer-bench: $(STAMP) $(PEER_STAMP)
-	$(PY) bench/peer_hf_realm.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
+	$(PY) benchmarks/peer_hf_realm.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
 
 clean:
 	rm -rf $(SMOKE_DIR) .pytest_cache

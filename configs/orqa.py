@@ -55,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Reading BM25's blocks (`evaluate --retriever bm25`): the retrieval score added to each
     # span score is BM25's score x this weight (ORQA adds its retriever's logit; BM25 is not in
     # the release: BERTserini-style interpolation); 0 = the span scores alone. 1.0: chosen on
-    # the 500 dev questions for the reading phase's reader (bench/bm25_reader.py; held-out EM
-    # on BM25's top 5: 5.1% with the span scores alone -> 10.4%; docs/results.md).
+    # the 500 dev questions for the reading phase's reader (experiments/bm25_reader/bm25_reader.py;
+    # held-out EM on BM25's top 5: 5.1% with the span scores alone -> 10.4%; docs/results.md).
     q.bm25_weight = 1.0
     q.best_metric = "exact_match"  # dev metric whose best checkpoint is kept (<workdir>/best)
     # A deviation from ORQA, which has no gold passages (REALM and ORQA fine-tune on NQ): when a

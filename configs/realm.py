@@ -2,7 +2,7 @@
 
 Variants (pass as `configs/realm.py:<variant>`):
   smoke  tiny model, bundled sample corpus, CPU, a few minutes end to end.
-  small  4 layers x 256 wide: a CPU/GPU development size (also used by bench/).
+  small  4 layers x 256 wide: a CPU/GPU development size (also used by benchmarks/).
   base   BERT-base and the paper's hyperparameters (Guu et al. 2020), for a TPU pod.
   squad  the learning recipe (docs/results.md): SQuAD's 18,896 Wikipedia paragraphs from
          ../shared, held-out articles, real bert-tiny weights in all three networks and the

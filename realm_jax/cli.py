@@ -32,12 +32,12 @@ COMMANDS = {
 ENTRY = {
     "prepare": "realm_jax.data.prepare:command",
     "refresh": "realm_jax.index.refresher:command",
-    "ict": "realm_jax.ict.command:command",
+    "ict": "realm_jax.ict.commands:command",
     "finetune": "realm_jax.qa.commands:finetune",
     "evaluate": "realm_jax.qa.commands:evaluate",
     "plan": "realm_jax.plan:command",
-    "import": "realm_jax.interop:import_command",
-    "export": "realm_jax.interop:export_command",
+    "import": "realm_jax.interop.commands:import_command",
+    "export": "realm_jax.interop.commands:export_command",
 }
 TASK_COMMANDS = {
     "realm": {
@@ -46,8 +46,8 @@ TASK_COMMANDS = {
         "ask": "realm_jax.index.ask:command",
     },
     "ict": {
-        "train": "realm_jax.ict.command:command",
-        "local": "realm_jax.ict.command:command",
+        "train": "realm_jax.ict.commands:command",
+        "local": "realm_jax.ict.commands:command",
         "ask": "realm_jax.index.ask:command",
     },
     "qa": {
@@ -311,10 +311,10 @@ def _sweep_arguments(s: argparse.ArgumentParser) -> None:
 EXPECTED_ERRORS = (
     "realm_jax.config:ConfigError",  # config file, variant, override or value
     "realm_jax.lock:LockError",  # the workdir is held by another trainer/refresher
-    "realm_jax.data.corpus:CorpusError",  # malformed or missing corpus input (file:line)
-    "realm_jax.data.prepared:PrepareError",  # no/partial/old prepared data, nothing usable
+    "realm_jax.corpus_errors:CorpusError",  # malformed or missing corpus input (file:line)
+    "realm_jax.data.datasets:PrepareError",  # no/partial/old prepared data, nothing usable
     "realm_jax.sharding:MeshError",  # a mesh that does not fit the devices or the batch
-    "realm_jax.model.hf_import:WeightImportError",  # a weights folder that cannot be imported
+    "realm_jax.interop.hf_import:WeightImportError",  # a weights folder that cannot be imported
     "realm_jax.model.bert:ModelConfigError",  # config.model that describes no valid network
     "realm_jax.index.store:CorruptIndexError",  # a published index that fails its checks
     "realm_jax.qa.answers:QAFormatError",  # a QA question file that cannot be read
@@ -379,7 +379,7 @@ def _run(args, overrides: list[str]) -> int:
     from realm_jax.config import load_config, validate
 
     if args.command == "sweep":  # its points run as other commands, in subprocesses
-        from realm_jax.sweep.command import command
+        from realm_jax.sweep.commands import command
 
         return command(args, overrides)
     config = load_config(args.config, overrides)

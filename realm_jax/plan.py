@@ -279,7 +279,7 @@ def realm_programs(config, mesh, num_blocks: int) -> list[Program]:
 
 def refresh_program(config, mesh, num_blocks: int) -> Program:
     """The refresh job's corpus embedding (the document embedder over the token table)."""
-    from realm_jax.index.corpus import abstract_params, embed_blocks_fn
+    from realm_jax.index.embedding import abstract_params, embed_blocks_fn
     from realm_jax.model.bert import ModelConfig
     from realm_jax.model.realm import doc_embedder_name
 
@@ -476,9 +476,9 @@ def num_blocks_for(config, workdir: str, given: int) -> tuple[int, str]:
         return given, "--num_blocks"
     if workdir:
         from realm_jax import workdir as paths
-        from realm_jax.data import prepared
+        from realm_jax.data import datasets
 
-        summary = prepared.read_summary(paths.data_dir(config, workdir))
+        summary = datasets.read_summary(paths.data_dir(config, workdir))
         if summary:
             return int(summary["counts"]["blocks"]), "the prepared corpus"
     return WIKIPEDIA_BLOCKS, "REALM's Wikipedia; --num_blocks to change"

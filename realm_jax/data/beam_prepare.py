@@ -1,5 +1,5 @@
-"""`prepare` on Apache Beam: the same datasets as data/prepare.py's in-process path, in TFDS's
-array_record format, built by Beam pipelines on a local runner or on Dataflow.
+"""`prepare` on Apache Beam: the same datasets as the in-process path (data/local_prepare.py),
+in TFDS's array_record format, built by Beam pipelines on a local runner or on Dataflow.
 
 Nothing holds the corpus: the input file is cut into byte ranges ("chunks", data.beam_chunk_kb);
 a worker reads the lines starting in its range, so every stage streams. A gzip input
@@ -46,8 +46,8 @@ memory on Beam's local runners, whose FnApiRunner also hands each worker a stage
 as one bundle. So on a local runner the blocks and examples pipelines run once per *window* of
 the corpus (data.beam_window_kb, whole chunks), one after another, each window's ids starting
 where the previous window's ended and its shards numbered after the previous window's. Peak
-memory is then bounded by the window, not the corpus (bench/prepare_beam.py measures 10k to
-200k passages, bench/prepare_scale.py a 1M-passage corpus with a 1M-sentence text); on Dataflow
+memory is then bounded by the window, not the corpus (benchmarks/prepare_beam.py measures 10k to
+200k passages, benchmarks/prepare_scale.py a 1M-passage corpus with a 1M-sentence text); on Dataflow
 the whole corpus is one window. The separate text is windowed the same way. Nothing else holds
 a list of documents, titles or ids, and no side input grows with the corpus (the id offsets are
 one int per batch of a window). Only the scans cover a whole input in one pipeline: for the
@@ -84,15 +84,15 @@ from apache_beam.io.filesystems import CompressionTypes, FileSystems
 from realm_jax import fs
 from realm_jax import tokenization as tk
 from realm_jax.data import corpus as corpus_lib
-from realm_jax.data import masking, realm_records, shards
-from realm_jax.data import prepare as local
-from realm_jax.data.prepared import PrepareError, is_eval
+from realm_jax.data import masking, records, shards
+from realm_jax.data.datasets import PrepareError, is_eval
+from realm_jax.interop import realm_records
 
 SENTENCES = "_block_sentences"  # stats key: a window's sentences (blocks' or text's; not reported)
 BATCH = 256  # blocks per batch; a batch's sentences go through one NER nlp.pipe call
 TEXT_BATCH = 2048  # separate-text sentences per batch (about a block batch's sentences)
 # The fields the workers need (a plain dict travels to workers; a locked ConfigDict need not).
-OPT_FIELDS = (*local.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb", "beam_shard_records")
+OPT_FIELDS = (*records.FP_FIELDS, "corpus", "sentences", "beam_chunk_kb", "beam_shard_records")
 # Runners that keep a pipeline's data in this process's memory: they prepare window by window.
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "PrismRunner")
 
@@ -155,7 +155,7 @@ def chunk_lines(path: str, k: int, chunk_bytes: int):
             yield line
 
 
-def parse_line(path: str, n, raw: bytes, r: corpus_lib._Reader, first: bool):
+def parse_line(path: str, n, raw: bytes, r: corpus_lib.DocumentChecker, first: bool):
     """One corpus line -> (doc_id, title, text), or None (blank, a TSV header, or bad input,
     which r raises or counts exactly as corpus.read_documents does). path: the input as named
     (a .gz too: its messages and default ids); n is the line number (or a unique placeholder
@@ -197,9 +197,9 @@ def _id_hash(doc_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "little")
 
 
-def _lenient_reader() -> corpus_lib._Reader:
+def _lenient_reader() -> corpus_lib.DocumentChecker:
     """A reader that counts bad lines instead of raising, and leaves duplicates to the scan."""
-    r = corpus_lib._Reader(True, collections.Counter())
+    r = corpus_lib.DocumentChecker(True, collections.Counter())
     r.seen = _NeverSeen()
     return r
 
@@ -290,7 +290,7 @@ class _NeverSeen(set):
 def _message(path: str, n, raw: bytes, first: bool) -> str:
     """The bad-input message of a line without "file:line: " and the skip hint (the driver
     adds both back)."""
-    r = corpus_lib._Reader(False, collections.Counter())
+    r = corpus_lib.DocumentChecker(False, collections.Counter())
     r.seen = _NeverSeen()
     try:
         parse_line(path, n, raw, r, first)
@@ -423,7 +423,7 @@ def _chunk_blocks(k: int, opts: _Opts, plan: dict):
     plus ("stats", Counter) of blocks and empty documents."""
     docs = _chunk_docs(k, opts, plan)
     stats, batch, j = collections.Counter(), [], 0
-    for chunk in local._chunks(docs, local.CHUNK):
+    for chunk in records.chunks(docs, records.CHUNK):
         titles = tk.wordpieces([t for _, t, _ in chunk])
         bodies = tk.wordpieces([b for _, _, b in chunk])
         sents = masking.split_sentences(b for _, _, b in chunk)
@@ -480,7 +480,7 @@ def _block_records(batch):
     """(key, first block id, [Block]) -> (first block id, [block records])."""
     _, first, bs = batch
     return first, [
-        local.block_record(dataclasses.replace(b, block_id=first + i)) for i, b in enumerate(bs)
+        records.block_record(dataclasses.replace(b, block_id=first + i)) for i, b in enumerate(bs)
     ]
 
 
@@ -493,7 +493,7 @@ def _sentences(batch, opts: _Opts):
             b.text[cs:ce],
             first + i,
             b.doc_id,
-            is_eval(local._split_key(opts, b.doc_id, b.title), opts.eval_fraction, opts.seed),
+            is_eval(records.split_key(opts, b.doc_id, b.title), opts.eval_fraction, opts.seed),
         )
         for i, b in enumerate(bs)
         for cs, ce in b.sentences
@@ -511,7 +511,7 @@ class MaskBatch(beam.DoFn):
 
     def setup(self):
         self.stats = collections.Counter()
-        self.masker = local.make_masker(self.opts, self.stats, 1)
+        self.masker = records.make_masker(self.opts, self.stats, 1)
 
     def process(self, batch):
         _, first, sents = batch
@@ -520,23 +520,23 @@ class MaskBatch(beam.DoFn):
         encs = tk.wordpieces([s[0] for _, s in mine])
         keep = [m for m, e in enumerate(encs) if len(e.ids) >= self.opts.min_sentence_tokens]
         cands = self.masker.candidates([mine[m][1][0] for m in keep])
-        records = []
+        out = []
         for m, cand in zip(keep, cands, strict=True):
             index, (text, block_id, doc_id, _) = mine[m]
             spans = self.masker.choices(index, text, encs[m].offsets, cand)
             if spans:
-                rec = local.example_record(
+                rec = records.example_record(
                     -1, block_id, doc_id, text, encs[m].ids, spans, self.opts.query_len
                 )
-                records.append(rec)
+                out.append(rec)
                 self.stats["salient_spans"] += len(spans)
         self.stats["sentences"] += len(mine)
         self.stats["skipped_short_sentence"] += len(mine) - len(keep)
-        self.stats["kept"] += len(records)
+        self.stats["kept"] += len(out)
         self.stats["mode_" + self.masker.mode] += 1
         yield beam.pvalue.TaggedOutput("stats", collections.Counter(self.stats))
-        if records:
-            yield batch[0], records
+        if out:
+            yield batch[0], out
 
 
 def write_sentences(bl, opts: _Opts, prefix: str, base: int) -> None:
@@ -557,14 +557,14 @@ def write_table(batches, prefix: str, base: int) -> None:
 
 def _text_batches(k: int, opts: _Opts, plan: dict):
     """One chunk of the separate text -> ((k, j), [(sentence, -1, doc id, held out)]) batches
-    in text order, as the in-process path lists them (data/prepare.py _sentences), plus
-    ("stats", Counter) of the chunk's sentences."""
+    in text order, as the in-process path lists them (local_prepare.pretraining_sentences),
+    plus ("stats", Counter) of the chunk's sentences."""
     docs = _chunk_docs(k, opts, plan)
     stats, rows, j = collections.Counter(), [], 0
-    for chunk in local._chunks(docs, local.CHUNK):
+    for chunk in records.chunks(docs, records.CHUNK):
         spans = masking.split_sentences(text for _, _, text in chunk)
         for (doc_id, title, text), sp in zip(chunk, spans, strict=True):
-            held = is_eval(local._split_key(opts, doc_id, title), opts.eval_fraction, opts.seed)
+            held = is_eval(records.split_key(opts, doc_id, title), opts.eval_fraction, opts.seed)
             rows.extend((text[a:b], -1, doc_id, held) for a, b in sp)
             stats[SENTENCES] += len(sp)
             while len(rows) >= TEXT_BATCH:
@@ -768,9 +768,9 @@ def _run_blocks(p, opts: _Opts, plan: dict, tmp: str, stats_path: str) -> None:
     _write_stats(stats, stats_path)
     if not opts.sentences:
         write_sentences(bl, opts, plan["sentences"], plan["base"][SENTENCES])
-    records = bl | "BlockRecords" >> beam.Map(_block_records)
+    rows = bl | "BlockRecords" >> beam.Map(_block_records)
     w, base, per = plan["window"], plan["base"]["blocks"], opts.beam_shard_records
-    write_records(records, local.RealmBlocks, tmp, "blocks", w, base, per)
+    write_records(rows, records.RealmBlocks, tmp, "blocks", w, base, per)
 
 
 def _run_text(p, opts: _Opts, plan: dict, tmp: str, stats_path: str) -> None:
@@ -791,7 +791,9 @@ def _run_examples(p, opts: _Opts, plan: dict, tmp: str, stats_path: str, name: s
     held_out, base = name == "eval_examples", plan["base"][name]
     ex, stats = examples(p, opts, plan["sentences"], held_out, base)
     _write_stats(stats, stats_path)
-    write_records(ex, local.RealmExamples, tmp, name, plan["window"], base, opts.beam_shard_records)
+    write_records(
+        ex, records.RealmExamples, tmp, name, plan["window"], base, opts.beam_shard_records
+    )
 
 
 def check_runner(data, runner: str, data_dir: str) -> None:
@@ -898,7 +900,7 @@ def build(data, tmp: str, stats: collections.Counter, *, runner: str, options: s
                     f"{spent:.0f}s, ETA {spent / done * (total_chunks - done):.0f}s"
                 )
     for name in names:
-        cls = local.RealmBlocks if name == "blocks" else local.RealmExamples
+        cls = records.RealmBlocks if name == "blocks" else records.RealmExamples
         written = finalize(tmp, name, cls)
         if written != base[name]:  # a lost or repeated shard: never publish that
             raise RuntimeError(f"{name}: {written} records written, {base[name]} made")

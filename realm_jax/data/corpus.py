@@ -38,16 +38,9 @@ from collections.abc import Iterator
 
 from realm_jax import fs
 from realm_jax import tokenization as tk
+from realm_jax.corpus_errors import SKIP_HINT, CorpusError
 
 BAD_KINDS = ("bad_utf8", "bad_json", "missing_field", "empty_text", "duplicate_id", "unreadable")
-
-
-# How a CLI user skips bad documents (read_documents(skip_bad_input=True) in code).
-SKIP_HINT = "--config.data.skip_bad_input=true skips and counts such input"
-
-
-class CorpusError(ValueError):
-    """Malformed corpus input; the message names the file and line."""
 
 
 class UnreadableData(OSError):
@@ -104,7 +97,7 @@ class Block:
     sentence_starts: list[int] = dataclasses.field(default_factory=list)  # in token_ids
 
 
-class _Reader:
+class DocumentChecker:
     """Shared bad-input handling: raise, or count and skip."""
 
     def __init__(self, skip_bad_input: bool, stats: collections.Counter):
@@ -132,7 +125,7 @@ class _Reader:
         return doc_id, title.strip(), text.strip()
 
 
-def _lines(path: str, r: _Reader) -> Iterator[tuple[int, str]]:
+def _lines(path: str, r: DocumentChecker) -> Iterator[tuple[int, str]]:
     """(line number, decoded line) of a file; bad UTF-8 lines are reported per line."""
     try:
         f = fs.open(path, "rb")  # local or gs://
@@ -155,7 +148,7 @@ def _lines(path: str, r: _Reader) -> Iterator[tuple[int, str]]:
             r.bad("unreadable", f"{path}:{n + 1}", str(e))
 
 
-def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
+def _read_jsonl(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
     id_stem = stem(path)
     for n, line in _lines(path, r):
         where = f"{path}:{n}"
@@ -173,7 +166,7 @@ def _read_jsonl(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
             yield doc
 
 
-def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
+def _read_tsv(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
     id_stem = stem(path)
     for n, line in _lines(path, r):
         where = f"{path}:{n}"
@@ -192,7 +185,7 @@ def _read_tsv(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
             yield doc
 
 
-def _read_folder(path: str, r: _Reader) -> Iterator[tuple[str, str, str]]:
+def _read_folder(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
     for rel in _txt_files(path):
         file = fs.join(path, *rel.split("/"))
         try:
@@ -218,7 +211,7 @@ def read_documents(
     """Yield (doc_id, title, text) from a .jsonl/.tsv file (or its .gz) or a folder of .txt
     files."""
     stats = stats if stats is not None else collections.Counter()
-    r = _Reader(skip_bad_input, stats)
+    r = DocumentChecker(skip_bad_input, stats)
     if fs.isdir(path):
         yield from _read_folder(path, r)
     elif not fs.exists(path):
@@ -228,7 +221,7 @@ def read_documents(
     elif format_name(path).endswith((".tsv", ".txt")):
         yield from _read_tsv(path, r)
     else:
-        # (bench/reliability_errors.py checks this wording; .jsonl.gz/.tsv.gz are read too)
+        # (acceptance/bad_input.py checks this wording; .jsonl.gz/.tsv.gz are read too)
         raise CorpusError(f"{path}: unknown corpus format (use .jsonl, .tsv or a folder of .txt)")
 
 
@@ -317,3 +310,21 @@ def split_blocks(
             )
         )
     return blocks
+
+
+def count_lines(path: str, limit: int | None = None) -> int | None:
+    """Lines of a local line file (a .gz decompressed), files of a folder; None when it
+    cannot be read. With `limit`, counting stops there (engine choice needs no more)."""
+    if os.path.isdir(path):
+        return len(input_files(path))
+    n = 0
+    try:
+        with open(path, "rb") as f:
+            for n, _ in enumerate(raw_lines(f, path), 1):
+                if limit is not None and n >= limit:
+                    break
+    except UnreadableData:
+        return n  # a truncated .gz: reading it says where (read_documents)
+    except OSError:
+        return None
+    return n

@@ -16,8 +16,7 @@ import grain
 import numpy as np
 
 from realm_jax import tokenization as tk
-from realm_jax.data import pipeline
-from realm_jax.data import prepared as prepare_lib
+from realm_jax.data import datasets, pipeline
 
 
 class BlockSubset:
@@ -44,7 +43,7 @@ def train_block_ids(data, titles: list[str], doc_ids: list[str]) -> np.ndarray:
     keep = [
         i
         for i, (t, d) in enumerate(zip(titles, doc_ids, strict=True))
-        if not prepare_lib.is_eval(
+        if not datasets.is_eval(
             t if data.eval_split_key == "title" and t else d, data.eval_fraction, data.seed
         )
     ]
@@ -89,7 +88,7 @@ def train_loader(config, data_dir: str, train_ids: np.ndarray) -> grain.DataLoad
     """This process's batches of ICT pairs: query_ids [b, query_len], block_ids [b, block_len]."""
     d = config.data
     return pipeline.shuffled_batches(
-        BlockSubset(prepare_lib.blocks_source(data_dir), train_ids),
+        BlockSubset(datasets.blocks_source(data_dir), train_ids),
         IctPair(d.query_len, d.block_len, config.ict.mask_rate),
         what=f"training blocks in {data_dir}",
         global_batch_size=config.train.batch_size,
@@ -101,7 +100,7 @@ def train_loader(config, data_dir: str, train_ids: np.ndarray) -> grain.DataLoad
 def eval_queries(data_dir: str, query_len: int, max_examples: int):
     """Held-out sentences (unmasked) and their own block ids: (query_ids [Q, Lq], block_id [Q],
     texts)."""
-    source = prepare_lib.examples_source(data_dir, "eval")
+    source = datasets.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
     recs = [source[i] for i in range(n)]
     q = np.stack([tk.pad_to(r["token_ids"], query_len) for r in recs]).astype(np.int32)

@@ -118,7 +118,7 @@ class Masker:
         ner: bool = True,
     ):
         """ner=False: the salient spans come with the text (REALM's annotated pre-training
-        shards, data/realm_records.py): no spaCy pipeline is loaded, and `candidates` is not
+        shards, interop/realm_records.py): no spaCy pipeline is loaded, and `candidates` is not
         used; `choices` maps the given char spans as it maps NER's."""
         if mode not in ("salient", "random"):
             raise ValueError(f"data.masking must be 'salient' or 'random', got {mode!r}")

@@ -30,8 +30,7 @@ from etils import epath
 
 from realm_jax import tokenization as tk
 from realm_jax.checkpoint import CheckpointMismatch
-from realm_jax.data import masking
-from realm_jax.data import prepared as prepare_lib
+from realm_jax.data import datasets, masking
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +260,7 @@ def train_loader(
     b = global_batch_size / jax.process_count().
 
     On a gs:// data_dir the examples are read in place, record by record, as the batches
-    want them (prepared.ShardedSource): no host copies the examples first. A process's rows
+    want them (datasets.ShardedSource): no host copies the examples first. A process's rows
     of the global batches come from one shuffle of the whole example set (GlobalBatchSampler),
     so every host reads records of every shard (no per-host partition of the files: one would
     tie the order to the host count), but each record of an epoch is read by one host only:
@@ -271,7 +270,7 @@ def train_loader(
     # before the data is opened: an unknown data.mask_mode is a config error, not a data one
     mask = MaskSpan(data.query_len, data.max_predictions, data.get("mask_mode", "salient"))
     return shuffled_batches(
-        prepare_lib.examples_source(data_dir),
+        datasets.examples_source(data_dir),
         mask,
         what=f"examples in {data_dir}",
         global_batch_size=global_batch_size,
@@ -486,7 +485,7 @@ def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
     """The held-out examples as a fixed list of this process's batches (the same every
     evaluation: the first `max_examples` (all when <= 0), whole global batches only, each
     example masked by the run's data.mask_mode with a generator seeded by its id)."""
-    source = prepare_lib.examples_source(data_dir, "eval")
+    source = datasets.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
     b = local_batch_size(batch_size)
     n_batches = n // batch_size

@@ -23,323 +23,40 @@ gs:// data_dir the in-process path builds them in a local temp folder and upload
 Beam path's workers write them into <data_dir>/.prepare-tmp-<pid>/ there, and they are copied
 into place; summary.json (listing every dataset file and its size) goes last.
 Readers open a dataset folder directly (`tfds.builder_from_directory(...).as_data_source()`,
-the same ArrayRecord data source `tfds.data_source` returns, without a registered name).
+the same ArrayRecord data source `tfds.data_source` returns, without a registered name): that
+read side is data/datasets.py.
+
+This module chooses an engine (choose_engine), fingerprints the input and publishes; the
+engines build: local_prepare.py (in process), beam_prepare.py (Apache Beam) and
+release_prepare.py (the release's block records, streamed). They share data/records.py and
+none imports this module.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 
-import numpy as np
-import tensorflow_datasets as tfds
-from tqdm import tqdm
-
 from realm_jax import fs, workdir
 from realm_jax import tokenization as tk
-from realm_jax.data import block_records, masking, realm_records
 from realm_jax.data import corpus as corpus_lib
-from realm_jax.data.prepared import (
+from realm_jax.data import local_prepare, records
+from realm_jax.data.datasets import (
     DATASETS,
     FORMAT_VERSION,
     SUMMARY,
     PrepareError,
-    is_eval,
     read_summary,
 )
+from realm_jax.interop import block_records, realm_records
 
-FP_FIELDS = (
-    "block_len",
-    "query_len",
-    "max_predictions",
-    "min_sentence_tokens",
-    "masking",
-    "ner_model",
-    "random_span_max",
-    "skip_bad_input",
-    "seed",
-    "eval_fraction",
-    "eval_split_key",
-)
-CHUNK = 512  # documents tokenised per batch
 BEAM_MIN_PASSAGES = 50_000  # data.engine=auto: corpora of this many lines go to Beam
-
-
-class _Builder(tfds.core.GeneratorBasedBuilder):
-    """Writes the records passed at construction, in order (no TFDS shuffling)."""
-
-    VERSION = tfds.core.Version("1.0.0")
-    FEATURES: dict = {}
-
-    def __init__(self, *, records=(), **kwargs):
-        self._records = records
-        super().__init__(**kwargs)
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        feats = tfds.features.FeaturesDict(self.FEATURES)
-        return tfds.core.DatasetInfo(builder=self, features=feats, disable_shuffling=True)
-
-    def _split_generators(self, dl_manager):
-        return {"train": self._generate_examples()}
-
-    def _generate_examples(self):
-        yield from enumerate(self._records)
-
-
-_INT_SEQ = tfds.features.Tensor(shape=(None,), dtype=np.int32)
-
-
-class RealmBlocks(_Builder):
-    FEATURES = {
-        "block_id": np.int64,
-        "doc_id": tfds.features.Text(),
-        "title": tfds.features.Text(),
-        "text": tfds.features.Text(),
-        "token_ids": _INT_SEQ,
-        "sentence_starts": _INT_SEQ,
-    }
-
-
-class RealmExamples(_Builder):
-    FEATURES = {
-        "example_id": np.int64,
-        "block_id": np.int64,
-        "doc_id": tfds.features.Text(),
-        "text": tfds.features.Text(),
-        "token_ids": _INT_SEQ,
-        "span_starts": _INT_SEQ,
-        "span_ends": _INT_SEQ,
-        "span_labels": tfds.features.Text(),
-    }
-
-
-# ------------------------------------------------------------------------------------ building
-def _count_lines(path: str, limit: int | None = None) -> int | None:
-    """Lines of a local line file (a .gz decompressed), files of a folder; None when it
-    cannot be read. With `limit`, counting stops there (engine choice needs no more)."""
-    if os.path.isdir(path):
-        return len(corpus_lib.input_files(path))
-    n = 0
-    try:
-        with open(path, "rb") as f:
-            for n, _ in enumerate(corpus_lib.raw_lines(f, path), 1):
-                if limit is not None and n >= limit:
-                    break
-    except corpus_lib.UnreadableData:
-        return n  # a truncated .gz: reading it says where (corpus.read_documents)
-    except OSError:
-        return None
-    return n
-
-
-@contextlib.contextmanager
-def _progress(**kwargs):
-    """A tqdm bar that is erased when the body raises, so the error is printed on a line of
-    its own (not after a half-drawn bar)."""
-    bar = tqdm(**kwargs)
-    try:
-        yield bar
-    except BaseException:
-        bar.leave = False
-        raise
-    finally:
-        bar.close()
-
-
-def _chunks(it, n: int):
-    buf = []
-    for x in it:
-        buf.append(x)
-        if len(buf) == n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
-
-
-def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
-    """Read data.corpus and cut every document into blocks (ids 0..N-1 in corpus order); the
-    release's block records (blocks.tfr, block_records.npy) are taken as they are."""
-    if block_records.is_release_corpus(data.corpus):
-        return block_records.release_blocks(data, stats)
-    docs = corpus_lib.read_documents(data.corpus, skip_bad_input=data.skip_bad_input, stats=stats)
-    blocks: list[corpus_lib.Block] = []
-    with _progress(total=_count_lines(data.corpus), desc="blocks: tokenise", unit="doc") as bar:
-        for chunk in _chunks(docs, CHUNK):
-            titles = tk.wordpieces([t for _, t, _ in chunk])
-            bodies = tk.wordpieces([b for _, _, b in chunk])
-            sents = masking.split_sentences(b for _, _, b in chunk)
-            for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
-                new = corpus_lib.split_blocks(
-                    doc_id, title, body, t.ids, b, s, data.block_len, len(blocks)
-                )
-                if not new:
-                    stats["skipped_empty_text"] += 1
-                blocks.extend(new)
-            bar.update(len(chunk))
-    stats["blocks"] = len(blocks)
-    return blocks
-
-
-def _split_key(data, doc_id: str, title: str) -> str:
-    if data.eval_split_key not in ("title", "doc_id"):
-        raise PrepareError(
-            f"data.eval_split_key must be 'title' or 'doc_id', got {data.eval_split_key!r}"
-        )
-    return title if data.eval_split_key == "title" and title else doc_id
-
-
-def _sentences(data, blocks, stats):
-    """Pre-training sentences, their source block ids (-1 for separate text), doc ids,
-    whether each is held out for evaluation, and each one's salient span candidates when the
-    text brings them (REALM's annotated shards, data/realm_records.py; else None: NER finds
-    them)."""
-    given = None
-    if realm_records.is_release_text(data.sentences):
-        sub = collections.Counter()
-        docs = realm_records.read_documents(
-            data.sentences, skip_bad_input=data.skip_bad_input, stats=sub
-        )
-        pairs, given = [], []
-        for d, title, sents in docs:
-            for text, cands in sents:
-                pairs.append((text, -1, d, _split_key(data, d, title)))
-                given.append(cands)
-        stats.update({f"sentences_{k}": v for k, v in sub.items()})
-    elif not data.sentences:
-        pairs = [
-            (b.text[cs:ce], b.block_id, b.doc_id, _split_key(data, b.doc_id, b.title))
-            for b in blocks
-            for cs, ce in b.sentences
-        ]
-    else:
-        sub = collections.Counter()
-        docs = list(
-            corpus_lib.read_documents(data.sentences, skip_bad_input=data.skip_bad_input, stats=sub)
-        )
-        stats.update({f"sentences_{k}": v for k, v in sub.items()})
-        spans = masking.split_sentences(text for _, _, text in docs)
-        pairs = [
-            (t[a:b], -1, d, _split_key(data, d, title))
-            for (d, title, t), sp in zip(docs, spans, strict=True)
-            for a, b in sp
-        ]
-    stats["sentences"] = len(pairs)
-    held = [is_eval(p[3], data.eval_fraction, data.seed) for p in pairs]
-    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs], held, given
-
-
-def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict], list[dict], str]:
-    """Masked pre-training examples; returns (train records, held-out records, effective
-    masking mode)."""
-    texts, block_ids, doc_ids, held, given = _sentences(data, blocks, stats)
-    masker = make_masker(data, stats, data.ner_processes, ner=given is None)
-    records, eval_records = [], []
-    desc = f"examples: {masking_label(masker, given)} masking"
-    found = masked_sentences(data, masker, texts, given, stats)
-    with _progress(iterable=found, total=len(texts), desc=desc, unit="sent") as bar:
-        for i, enc, spans in bar:
-            if not spans:
-                continue
-            out = eval_records if held[i] else records
-            out.append(
-                example_record(
-                    len(out), block_ids[i], doc_ids[i], texts[i], enc.ids, spans, data.query_len
-                )
-            )
-    stats["examples"] = len(records)
-    stats["eval_examples"] = len(eval_records)
-    stats["salient_spans"] = sum(len(r["span_starts"]) for r in records + eval_records)
-    return records, eval_records, masker.mode
-
-
-def masking_label(masker: masking.Masker, given) -> str:
-    if masker.mode != "salient":
-        return "random"
-    return "NER" if given is None else "annotated"
-
-
-def masked_sentences(data, masker, texts: list[str], given, stats, base: int = 0):
-    """(i, wordpieces, spans) for every sentence texts[i], in order; spans is empty for a
-    sentence too short (counted as skipped_short_sentence) or without a usable span. given:
-    each sentence's annotated span candidates, or None (NER finds them). base: the index of
-    texts[0] among all the corpus's sentences (random masking's seed)."""
-    encs = tk.wordpieces(texts)
-    keep = [len(e.ids) >= data.min_sentence_tokens for e in encs]
-    stats["skipped_short_sentence"] += len(texts) - sum(keep)
-    kept = [i for i, k in enumerate(keep) if k]
-    if given is None:
-        cands = iter(masker.candidates([texts[i] for i in kept]))
-    else:  # the annotated spans of REALM's shards: no NER
-        cands = iter([given[i] if masker.mode == "salient" else [] for i in kept])
-    for i, (text, enc) in enumerate(zip(texts, encs, strict=True)):
-        spans = masker.choices(base + i, text, enc.offsets, next(cands)) if keep[i] else []
-        yield i, enc, spans
-
-
-def make_masker(
-    data, stats: collections.Counter, ner_processes: int, ner: bool = True
-) -> masking.Masker:
-    """The span chooser both engines use (the Beam one runs one per worker, ner_processes=1);
-    ner=False when the text brings its salient spans (no spaCy pipeline is loaded)."""
-    return masking.Masker(
-        data["masking"],
-        ner_model=data["ner_model"],
-        max_predictions=data["max_predictions"],
-        max_tokens=data["query_len"] - 2,
-        random_span_max=data["random_span_max"],
-        seed=data["seed"],
-        stats=stats,
-        ner_processes=ner_processes,
-        ner=ner,
-    )
-
-
-def example_record(example_id, block_id, doc_id, text, ids, spans, query_len) -> dict:
-    """One examples-dataset record; spans are masking.Span tuples (positions without [CLS])."""
-    return {
-        "example_id": example_id,
-        "block_id": block_id,
-        "doc_id": doc_id,
-        "text": text,
-        "token_ids": np.asarray(tk.query_ids(ids, query_len), np.int32),
-        "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # +1: [CLS]
-        "span_ends": np.asarray([b + 1 for _, b, _ in spans], np.int32),
-        "span_labels": ",".join(label for _, _, label in spans),
-    }
-
-
-def block_record(b: corpus_lib.Block) -> dict:
-    """One blocks-dataset record."""
-    return {
-        "block_id": b.block_id,
-        "doc_id": b.doc_id,
-        "title": b.title,
-        "text": b.text,
-        "token_ids": np.asarray(b.token_ids, np.int32),
-        "sentence_starts": np.asarray(b.sentence_starts, np.int32),
-    }
-
-
-def _block_records(blocks):
-    for b in blocks:
-        yield block_record(b)
-
-
-def _write(cls, records, folder: str) -> None:
-    builder = cls(records=records, data_dir=folder)
-    builder.download_and_prepare(
-        file_format="array_record", download_dir=os.path.join(folder, "downloads")
-    )
-    shutil.rmtree(os.path.join(folder, "downloads"), ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------- fingerprint
@@ -371,7 +88,7 @@ def fingerprint(data) -> str:
         for path in block_records.input_files(src) if release else corpus_lib.input_files(src):
             _hash_file(h, path)
     _hash_file(h, tk.VOCAB_PATH)
-    h.update(json.dumps({k: data[k] for k in FP_FIELDS}, sort_keys=True).encode())
+    h.update(json.dumps({k: data[k] for k in records.FP_FIELDS}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -399,7 +116,7 @@ def _fresh_tmp(data_dir: str, *, shared: bool = False) -> str:
 def _publish(tmp: str, data_dir: str, summary: dict) -> None:
     """Swap the finished datasets into place; summary.json (the completion marker) goes last
     and lists every dataset file with its size (summary["files"]), which readers check
-    (data/prepared.py): on an object store, where the datasets are uploaded file by file with
+    (data/datasets.py): on an object store, where the datasets are uploaded file by file with
     no atomic rename, that is what tells a complete prepare from an interrupted one."""
     names = [n for n in DATASETS if fs.isdir(fs.join(tmp, n))]
     summary["files"] = {
@@ -468,17 +185,19 @@ def _build_local(data, data_dir: str, stats) -> tuple[str, str]:
     release's block records stream instead (data/release_prepare.py)."""
     if block_records.is_release_corpus(data.corpus):
         return _build_release(data, data_dir, stats)
-    blocks = build_blocks(data, stats)
+    blocks = local_prepare.build_blocks(data, stats)
     if not blocks:
         raise _no_blocks(data, stats)
-    records, eval_records, mode = build_examples(data, blocks, stats)
-    if not records:
-        raise _no_examples(data, stats, len(eval_records), mode)
+    train, held_out, mode = local_prepare.build_examples(data, blocks, stats)
+    if not train:
+        raise _no_examples(data, stats, len(held_out), mode)
     tmp = _fresh_tmp(data_dir)  # bad input stops above, before anything is written
-    _write(RealmBlocks, _block_records(blocks), os.path.join(tmp, "blocks"))
-    _write(RealmExamples, records, os.path.join(tmp, "examples"))
-    if eval_records:  # TFDS cannot write an empty dataset; loaders say what is missing
-        _write(RealmExamples, eval_records, os.path.join(tmp, "eval_examples"))
+    write = records.write_dataset
+    rows = (records.block_record(b) for b in blocks)
+    write(records.RealmBlocks, rows, os.path.join(tmp, "blocks"))
+    write(records.RealmExamples, train, os.path.join(tmp, "examples"))
+    if held_out:  # TFDS cannot write an empty dataset; loaders say what is missing
+        write(records.RealmExamples, held_out, os.path.join(tmp, "eval_examples"))
     return tmp, mode
 
 
@@ -526,11 +245,11 @@ def choose_engine(data, beam_runner: str = "") -> str:
     together) of at least data.beam_min_passages lines, or on gs://, or when a --beam_runner
     is named; else in process."""
     engine = data.get("engine", "auto")
-    if block_records.is_release_corpus(data.corpus):  # read in process (data/block_records.py)
+    if block_records.is_release_corpus(data.corpus):  # read in process (interop/block_records.py)
         if engine == "beam" or beam_runner:
             raise PrepareError(f"{data.corpus}: release block records are prepared in process")
         return "local"
-    if realm_records.is_release_text(data.sentences):  # read in process (data/realm_records.py)
+    if realm_records.is_release_text(data.sentences):  # read in process (interop/realm_records.py)
         if engine == "beam" or beam_runner:
             raise PrepareError(
                 f"data.sentences={data.sentences}: REALM's pre-training TFRecord shards are "
@@ -549,7 +268,7 @@ def choose_engine(data, beam_runner: str = "") -> str:
     if any(fs.is_remote(p) for p in inputs):
         return "beam"  # gs:// inputs at scale: Beam's workers read them in parallel
     want = data.get("beam_min_passages", BEAM_MIN_PASSAGES)
-    lines = sum(_count_lines(p, want) or 0 for p in inputs)
+    lines = sum(corpus_lib.count_lines(p, want) or 0 for p in inputs)
     return "beam" if lines >= want else "local"
 
 
@@ -594,7 +313,7 @@ def prepare(
         "engine": engine,
         "block_len": data.block_len,
         "query_len": data.query_len,
-        "config": {k: data[k] for k in FP_FIELDS},
+        "config": {k: data[k] for k in records.FP_FIELDS},
         "counts": dict(stats),
         "elapsed_s": round(time.time() - start, 2),
     }

@@ -1,13 +1,13 @@
 """`prepare` of the release's block records (ORQA's blocks.tfr + titles.tfr, HuggingFace's
 block_records.npy), streamed: memory follows a chunk of blocks, not the corpus.
 
-The release's 13,353,718 blocks held in memory (block_records.release_blocks, the in-process
+The release's 13,353,718 blocks held in memory (release_blocks.release_blocks, the in-process
 path of any other corpus) would need ~700 GB; here the records are read in chunks of
-data.release_chunk_blocks, each chunk tokenised (block_records.release_chunk), written to the
+data.release_chunk_blocks, each chunk tokenised (release_blocks.release_chunk), written to the
 blocks dataset's shards (data/shards.py, data.beam_shard_records per file) and, unless a
 separate pre-training text is configured, its sentences masked into the examples and
 eval_examples shards, before the next chunk is read. Ids and records are exactly the in-memory
-path's (tests/test_block_records.py compares the two): block id i = record i, example ids
+path's (tests/unit/test_block_records.py compares the two): block id i = record i, example ids
 dense per split in sentence order, random masks seeded by the sentence's corpus-wide index.
 
 What still grows with the corpus: nothing of the blocks. HuggingFace's block_records.npy is a
@@ -23,8 +23,9 @@ import os
 import time
 
 from realm_jax import fs
-from realm_jax.data import block_records, shards
-from realm_jax.data import prepare as P
+from realm_jax.data import local_prepare, records, release_blocks, shards
+from realm_jax.data.datasets import DATASETS, is_eval
+from realm_jax.interop import block_records
 
 DEFAULT_CHUNK = 4096  # blocks read, tokenised and written per step
 
@@ -63,23 +64,23 @@ def build(data, tmp: str, stats: collections.Counter) -> str:
     def writer(name, cls):
         return shards.ShardWriter(cls, beam_prepare.dataset_folder(tmp, name, cls), per)
 
-    blocks_out = writer("blocks", P.RealmBlocks)
+    blocks_out = writer("blocks", records.RealmBlocks)
     from_blocks = not data.sentences  # else the text's examples, as for any corpus (below)
-    masker = P.make_masker(data, stats, data.ner_processes) if from_blocks else None
+    masker = records.make_masker(data, stats, data.ner_processes) if from_blocks else None
     examples = {}
     if from_blocks:
-        examples[False] = writer("examples", P.RealmExamples)
-        examples[True] = writer("eval_examples", P.RealmExamples)
+        examples[False] = writer("examples", records.RealmExamples)
+        examples[True] = writer("eval_examples", records.RealmExamples)
     spans = sentences = 0
     last_title, done_bytes = None, 0
     bar = _Bar(data.corpus)
     pairs = block_records.read_release_blocks(data.corpus)
     while chunk := [p for _, p in zip(range(chunk_blocks), pairs)]:
-        blocks = block_records.release_chunk(chunk, blocks_out.total, data.block_len, stats)
-        n, last_title = block_records.count_documents(blocks, last_title)
+        blocks = release_blocks.release_chunk(chunk, blocks_out.total, data.block_len, stats)
+        n, last_title = release_blocks.count_documents(blocks, last_title)
         stats["documents"] += n
         for b in blocks:
-            blocks_out.write(P.block_record(b))
+            blocks_out.write(records.block_record(b))
             done_bytes += len(b.text.encode("utf-8")) + 16  # ~ its record in blocks.tfr
         if from_blocks:
             spans += _examples(data, masker, blocks, sentences, examples, stats)
@@ -94,17 +95,19 @@ def build(data, tmp: str, stats: collections.Counter) -> str:
         stats["salient_spans"] = spans
         mode = masker.mode
     else:
-        records, eval_records, mode = P.build_examples(data, [], stats)  # the text's, in memory
-        if records:
-            P._write(P.RealmExamples, records, os.path.join(tmp, "examples"))
-        if eval_records:
-            P._write(P.RealmExamples, eval_records, os.path.join(tmp, "eval_examples"))
-    for name, cls in (("blocks", P.RealmBlocks), ("examples", P.RealmExamples)):
+        train, held_out, mode = local_prepare.build_examples(data, [], stats)  # the text's
+        if train:
+            records.write_dataset(records.RealmExamples, train, os.path.join(tmp, "examples"))
+        if held_out:
+            records.write_dataset(
+                records.RealmExamples, held_out, os.path.join(tmp, "eval_examples")
+            )
+    for name, cls in (("blocks", records.RealmBlocks), ("examples", records.RealmExamples)):
         if from_blocks or name == "blocks":
             beam_prepare.finalize(tmp, name, cls)
     if from_blocks:
-        beam_prepare.finalize(tmp, "eval_examples", P.RealmExamples)
-    for name in P.DATASETS:  # an empty dataset is left out (TFDS cannot describe one)
+        beam_prepare.finalize(tmp, "eval_examples", records.RealmExamples)
+    for name in DATASETS:  # an empty dataset is left out (TFDS cannot describe one)
         folder = os.path.join(tmp, name)
         if os.path.isdir(folder) and not any(files for _, _, files in os.walk(folder)):
             fs.rmtree(folder)
@@ -117,18 +120,18 @@ def _examples(data, masker, blocks, base: int, out: dict, stats) -> int:
     sentence."""
     texts, block_ids, doc_ids, held = [], [], [], []
     for b in blocks:
-        key = P._split_key(data, b.doc_id, b.title)
+        key = records.split_key(data, b.doc_id, b.title)
         for cs, ce in b.sentences:
             texts.append(b.text[cs:ce])
             block_ids.append(b.block_id)
             doc_ids.append(b.doc_id)
-            held.append(P.is_eval(key, data.eval_fraction, data.seed))
+            held.append(is_eval(key, data.eval_fraction, data.seed))
     spans_written = 0
-    for i, enc, spans in P.masked_sentences(data, masker, texts, None, stats, base):
+    for i, enc, spans in records.masked_sentences(data, masker, texts, None, stats, base):
         if not spans:
             continue
         w = out[held[i]]
-        rec = P.example_record(
+        rec = records.example_record(
             w.total, block_ids[i], doc_ids[i], texts[i], enc.ids, spans, data.query_len
         )
         w.write(rec)

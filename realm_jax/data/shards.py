@@ -6,7 +6,7 @@ bucket that is read back whole): a copy of the whole split in memory. These writ
 record at a time: each shard file gets `per` consecutive records, is written to its final folder
 under a name carrying (window, shard, record count), and `beam_prepare.finalize` later renames
 the shards to TFDS's names and writes dataset_info, exactly as for the Beam path's shards
-(`WriteShard` there serializes with `serializer` below). The readers (data/prepared.py) see no
+(`WriteShard` there serializes with `serializer` below). The readers (data/datasets.py) see no
 difference between the two.
 """
 

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 
 from realm_jax import sharding
+from realm_jax.data import datasets
 from realm_jax.data import ict as ict_data
-from realm_jax.data import prepared
 from realm_jax.index.bm25 import BM25Retriever, recall_at_k
-from realm_jax.index.corpus import embed_blocks_fn, embed_query_tokens, pad_index
+from realm_jax.index.embedding import embed_blocks_fn, embed_query_tokens, pad_index
 
 log = logging.getLogger("realm_jax.ict")
 
@@ -31,7 +31,7 @@ class IctEvaluator:
         keep = self.own >= 0
         self.q, self.own = self.q[keep], self.own[keep]
         sentences = [t for t, k in zip(sentences, keep, strict=True) if k]
-        src = prepared.blocks_source(data_dir)
+        src = datasets.blocks_source(data_dir)
         texts = [
             f"{r['title'].decode()}\n{r['text'].decode()}"
             for r in src.__getitems__(range(len(src)))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from realm_jax import sharding
-from realm_jax.index.corpus import embed_block_tokens, embed_query_tokens
+from realm_jax.index.embedding import embed_block_tokens, embed_query_tokens
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.inputs import check_fits, dummy_input
 from realm_jax.model.realm import RetrieverModel

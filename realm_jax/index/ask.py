@@ -12,9 +12,9 @@ import numpy as np
 
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
-from realm_jax.data import prepared
+from realm_jax.data import datasets
 from realm_jax.index import store
-from realm_jax.index.corpus import abstract_params, embed_query_tokens
+from realm_jax.index.embedding import abstract_params, embed_query_tokens
 from realm_jax.tokenization import encode_query
 
 # The query embedder comes from a training checkpoint, the index from the refresh job that
@@ -36,7 +36,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     if top_k < 1:
         raise ValueError(f"--top_k must be at least 1, got {top_k}")
     ddir = paths.data_dir(config, workdir)
-    top_k = min(top_k, prepared.load_summary(ddir)["counts"]["blocks"])  # never pad rows
+    top_k = min(top_k, datasets.load_summary(ddir)["counts"]["blocks"])  # never pad rows
     found = store.latest_valid(paths.index_dir(workdir))
     if found is None:
         trained = fs.isdir(paths.checkpoint_dir(workdir)) and (
@@ -64,7 +64,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
         s = q @ emb.T
         hits = np.argsort(-s, axis=1)[:, :top_k]
         scores = np.take_along_axis(s, hits, axis=1)
-    return [(*prepared.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
+    return [(*datasets.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
 
 
 def command(config, args) -> int:

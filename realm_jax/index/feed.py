@@ -7,7 +7,7 @@ refresh.mode=amortized is for a pod without a second slice for the refresh job. 
 (Guu et al. 2020, section 3.4) refreshes asynchronously: a separate set of TPUs re-embeds the
 13M blocks from the newest checkpoint about every 500 steps while the trainer never waits. Here
 the trainer's own devices do it instead, spread over refresh.every steps: before every step,
-each device re-embeds 1/refresh.every of its own rows (index/corpus.py slice_embed_fn, no
+each device re-embeds 1/refresh.every of its own rows (index/embedding.py slice_embed_fn, no
 cross-device traffic) into a building matrix with the current parameters; after refresh.every
 steps every row is new and the building matrix becomes the served index. The trainer never
 stops for a whole pass (only for the first index, and once on a resume); each step costs
@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from realm_jax import fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
-from realm_jax.index.corpus import embed_blocks_fn, pad_index, slice_embed_fn
+from realm_jax.index.embedding import embed_blocks_fn, pad_index, slice_embed_fn
 from realm_jax.model.realm import RealmModel
 
 log = logging.getLogger("realm_jax.refresh")
@@ -55,7 +55,7 @@ class IndexFeed:
         owner: str = "trainer",
     ):
         """`tokens`: the block token table, the host array [N, Lb] (padded and put on the
-        mesh here) or prepared.sharded_block_tokens(data_dir, mesh) (already row-sharded on
+        mesh here) or datasets.sharded_block_tokens(data_dir, mesh) (already row-sharded on
         `mesh`, each host having read only its own rows)."""
         self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
         if self.mode not in MODES:
@@ -65,7 +65,7 @@ class IndexFeed:
         if getattr(tokens, "rows", None) is None:  # the host table: padded, put on the mesh
             _, tok = pad_index(None, tokens, mesh)
             self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
-        else:  # prepared.RowShardedTokens: already padded and row-sharded on this mesh
+        else:  # datasets.RowShardedTokens: already padded and row-sharded on this mesh
             self.tokens = tokens.rows
         self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
         self.emb = None  # [Npad, D]

@@ -16,7 +16,7 @@ import numpy as np
 from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
-from realm_jax.index.corpus import abstract_params, embed_blocks_fn, pad_index, slice_embed_fn
+from realm_jax.index.embedding import abstract_params, embed_blocks_fn, pad_index, slice_embed_fn
 from realm_jax.lock import LEASE_SECONDS, workdir_lock
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import doc_embedder_name
@@ -48,7 +48,7 @@ class Refresher:
     """The refresh job: checkpoints in, published index versions out."""
 
     def __init__(self, config, workdir: str, tokens, mesh=None):
-        """`tokens`: the host token table [N, Lb], or prepared.sharded_block_tokens(data_dir,
+        """`tokens`: the host token table [N, Lb], or datasets.sharded_block_tokens(data_dir,
         mesh) on the `mesh` given (each host read only its own rows: `command`)."""
         self.config, self.workdir = config, workdir
         self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
@@ -58,7 +58,7 @@ class Refresher:
         if getattr(tokens, "rows", None) is None:  # the host table
             _, tok = pad_index(None, tokens, self.mesh)
             self.tokens = sharding.put_rows(tok, self.mesh)
-        else:  # prepared.RowShardedTokens, already row-sharded on self.mesh
+        else:  # datasets.RowShardedTokens, already row-sharded on self.mesh
             self.tokens = tokens.rows
         self.embed = embed_blocks_fn(self.model, self.mesh, config.refresh.embed_batch_size)
         # a large corpus is embedded in parts, its progress written after each one (a trainer
@@ -225,7 +225,7 @@ def stop_on_signals(stop: threading.Event) -> None:
     """SIGTERM/SIGINT set `stop`, from a short-lived thread: Event.set takes the Event's lock,
     which this main thread may hold at that moment (inside Event.wait, between its steps), and
     a handler calling it directly then waits for itself forever. That hang left a refresher
-    orphaned and deaf to SIGTERM when `local` was killed (bench/drills.py found it)."""
+    orphaned and deaf to SIGTERM when `local` was killed (acceptance/drills.py found it)."""
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: threading.Thread(target=stop.set, daemon=True).start())
 
@@ -235,7 +235,7 @@ def command(config, args) -> int:
 
     Holds the workdir's refresher lock (LockError when another refresh job holds it); the
     trainer's in-process refresh mode builds a Refresher without it (it is the trainer)."""
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     stop = threading.Event()
     stop_on_signals(stop)
@@ -249,6 +249,6 @@ def command(config, args) -> int:
             )  # fmt: skip
         # each host reads only the block rows of its own devices
         mesh = sharding.make_mesh(_all_devices_mesh(config))
-        tokens = prepared.sharded_block_tokens(paths.data_dir(config, args.workdir), mesh)
+        tokens = datasets.sharded_block_tokens(paths.data_dir(config, args.workdir), mesh)
         Refresher(config, args.workdir, tokens, mesh).run(stop, max_versions=args.max_versions)
     return 0

@@ -1,1 +1,2 @@
-"""The networks: BERT layers, REALM's embedders and reader, their inputs, HF import."""
+"""The networks: BERT layers, REALM's embedders and reader, their inputs (HF weights in and
+out: interop/)."""

@@ -113,7 +113,7 @@ def dropout_keep(key: Array, shape: tuple[int, ...], rate: float) -> Array:
     Two threefry words per call seed a hash of (row, column) indices, so the mask is a pure
     function of the key and the element's global position: the same on any mesh, and it fuses
     into the consumer. Drawing a threefry word per element instead (flax's nn.Dropout) was over
-    15x slower on XLA:CPU (bench/train_throughput.py) and the largest cost of a dropout-on
+    15x slower on XLA:CPU (benchmarks/train_throughput.py) and the largest cost of a dropout-on
     train step at the 4x256 size (profiled). Rows are the flattened leading axes (under 2^32
     at any configured size).
     """

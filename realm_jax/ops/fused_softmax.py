@@ -12,7 +12,7 @@ K 8, P 10 (spread over the devices), plus as much again for their log-softmax an
 Because the loss is the root of differentiation, its gradient can be formed in the forward
 pass (pass 2) and scaled by the incoming cotangent in the backward pass: the logits are
 computed twice in all, where autodiff of pass 1 plus a separate argmax pass took three
-(bench/train_throughput.py compares against materialising; train.mlm_vocab_chunk=-1).
+(benchmarks/train_throughput.py compares against materialising; train.mlm_vocab_chunk=-1).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each device scores the queries against its own rows, keeps a local top-k, and th
 of all devices are gathered and merged (shard_map). The same pass fetches the retrieved
 blocks' token ids from the row-sharded token table: each device contributes the rows it owns
 and a psum assembles them. We keep tokens on device rather than fetching them on the host
-between two jitted calls. Measured (bench/token_fetch.py, docs/benchmarks.md): on 8 fake CPU
+between two jitted calls. Measured (benchmarks/token_fetch.py, docs/benchmarks.md): on 8 fake CPU
 devices with a SQuAD-sized table (19,706 x 288) both paths cost the same (12.9 vs 12.1 ms per
 batch of 64), as expected where host and device share memory; so the choice rests on what the
 host path adds on

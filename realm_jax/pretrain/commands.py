@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import datasets, pipeline
 from realm_jax.index.feed import IndexFeed
 from realm_jax.lock import workdir_lock
-from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain import step as pretrain_step
 from realm_jax.pretrain.evaluation import RealmEvaluator
 from realm_jax.train import loop
 from realm_jax.train.warm_start import params_hook
@@ -42,7 +42,7 @@ def _train(
     mesh, ddir = _setup(config, workdir)
     # the block token table [N, Lb], row-sharded: this host read only its own devices' rows
     # (and the titles of those, exchanged for the held-out evaluation's)
-    tokens = prepared.sharded_block_tokens(ddir, mesh, with_titles=tc.eval_every > 0)
+    tokens = datasets.sharded_block_tokens(ddir, mesh, with_titles=tc.eval_every > 0)
     titles = tokens.titles
     if tc.eval_every > 0:
         sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
@@ -66,7 +66,7 @@ def _train(
         )
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
     hook = None if mgr.all_steps() else params_hook(config)  # a resume restores the weights
-    model, optimizer, state, shardings = train_step.create_state(
+    model, optimizer, state, shardings = pretrain_step.create_state(
         config, mesh, jax.random.key(tc.seed), hook
     )
     it = iter(loader)
@@ -80,7 +80,7 @@ def _train(
     )
     feed = IndexFeed(config, workdir, mesh, model, tokens)
     feed.start(state.params, start, health)
-    step_fn = train_step.compile_train_step(
+    step_fn = pretrain_step.compile_train_step(
         config, mesh, model, optimizer, shardings, feed.num_blocks
     )
     evaluator = None
@@ -120,7 +120,7 @@ def _setup(config, workdir: str):
     accum = int(config.train.get("grad_accum", 1))
     sharding.check_batch(config.train.batch_size, mesh, grad_accum=accum)
     ddir = paths.data_dir(config, workdir)
-    prepared.check_prepared(config, ddir)
+    datasets.check_prepared(config, ddir)
     return mesh, ddir
 
 

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from realm_jax import sharding
 from realm_jax.model.inputs import joint_len
 from realm_jax.ops.fused_softmax import fused_marginal_loss
-from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain import step as pretrain_step
 
 SUMMED = ("loss", "accuracy", "null_only_accuracy", "retrieval_utility")  # per target
 PER_QUERY = ("retrieval_entropy", "null_doc_prob")
@@ -62,7 +62,7 @@ def eval_metrics(
     vocab_chunk,
 ):
     """Metrics of one held-out batch (no dropout) + the retrieved ids [B, K-1]."""
-    _, relevance, cands, ids = train_step.retrieve(
+    _, relevance, cands, ids = pretrain_step.retrieve(
         params,
         batch,
         index_emb,
@@ -72,7 +72,7 @@ def eval_metrics(
         num_candidates=num_candidates,
         num_valid=num_valid,
     )
-    features, table, bias = train_step.read_candidates(
+    features, table, bias = pretrain_step.read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import sharding
-from realm_jax.index.corpus import embed_block_tokens, embed_query_tokens
+from realm_jax.index.embedding import embed_block_tokens, embed_query_tokens
 from realm_jax.model.inputs import (
     NULL_BLOCK,
     build_joint,

@@ -15,9 +15,9 @@ import optax
 
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import datasets, pipeline
 from realm_jax.index import store
-from realm_jax.index.corpus import abstract_params
+from realm_jax.index.embedding import abstract_params
 from realm_jax.index.refresher import build_searcher
 from realm_jax.model.realm import realm_model
 from realm_jax.qa import data as qa_data
@@ -223,7 +223,7 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
         raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {which!r}")
     mesh = sharding.make_mesh(config.mesh)
     ddir = paths.data_dir(config, workdir)
-    tokens, doc_ids, _ = prepared.load_blocks(ddir)
+    tokens, doc_ids, _ = datasets.load_blocks(ddir)
     found = store.latest_valid(
         paths.index_dir(workdir),
         expected_num_blocks=len(tokens),

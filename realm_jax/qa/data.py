@@ -18,7 +18,7 @@ import grain
 import numpy as np
 
 from realm_jax import tokenization as tk
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import datasets, pipeline
 from realm_jax.qa.answers import QAExample, read_questions
 
 log = logging.getLogger("realm_jax.qa")
@@ -29,9 +29,9 @@ HOLDOUTS = ("none", "train", "heldout")
 def held_out_titles(data_dir: str):
     """A predicate: whether a title is one of the prepared data's held-out articles (the same
     hash split `prepare` used, read from its summary)."""
-    built = prepared.load_summary(data_dir)["config"]
+    built = datasets.load_summary(data_dir)["config"]
     fraction, seed = float(built["eval_fraction"]), int(built["seed"])
-    return lambda title: prepared.is_eval(title, fraction, seed)
+    return lambda title: datasets.is_eval(title, fraction, seed)
 
 
 def load_questions(path: str, fmt: str, holdout: str, data_dir: str) -> list[QAExample]:
@@ -89,7 +89,7 @@ def gold_blocks(
     in `gold_passage`, kept by `prepare` as each block's doc_id; a passage may be cut into
     several blocks).
 
-    doc_ids [N] (prepared.load_blocks), tokens [N, Lb] host token table (any object whose
+    doc_ids [N] (datasets.load_blocks), tokens [N, Lb] host token table (any object whose
     [i] is block i's row), answer_ids [len(examples), A, La] (`encode`'s). Returns
     (per question: its gold passage's block ids, those holding an answer's wordpieces first,
     each group in block order; () when the question has no gold_passage or the corpus lacks
@@ -177,7 +177,7 @@ def training_questions(config, data_dir: str, blocks=None) -> tuple[list[QAExamp
     gold = np.full((len(examples),), -1, np.int32)
     if any(e.gold_passage for e in examples):
         if blocks is None:
-            tokens, doc_ids, _ = prepared.load_blocks(data_dir)
+            tokens, doc_ids, _ = datasets.load_blocks(data_dir)
         else:
             tokens, doc_ids = blocks
         _, gold = gold_blocks(examples, doc_ids, tokens, arrays["answer_ids"])

@@ -33,8 +33,8 @@ import numpy as np
 
 from realm_jax import sharding
 from realm_jax import tokenization as tk
-from realm_jax.data import prepared
-from realm_jax.index.corpus import embed_blocks_fn, pad_index
+from realm_jax.data import datasets
+from realm_jax.index.embedding import embed_blocks_fn, pad_index
 from realm_jax.qa import answers as qa_answers
 from realm_jax.qa import data as qa_data
 from realm_jax.qa import step as qa_step
@@ -108,11 +108,11 @@ class Predictor:
         # the span scores (the dense relevance of another retriever's blocks is not one)
         self.bm25_weight = float(q.get("bm25_weight", 0.0))
         self.depth = min(max(self.ks + (self.reader_beam,)), index.num_blocks)
-        self.blocks = prepared.blocks_source(data_dir)
+        self.blocks = datasets.blocks_source(data_dir)
         self.gold_table = None
         if retriever == "gold":
             if blocks is None:
-                tokens, doc_ids, _ = prepared.load_blocks(data_dir)
+                tokens, doc_ids, _ = datasets.load_blocks(data_dir)
                 blocks = (tokens, doc_ids)
             self.gold_table = blocks
         kw = dict(model=model, mesh=mesh)

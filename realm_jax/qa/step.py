@@ -38,7 +38,7 @@ import optax
 from jax.sharding import Mesh
 
 from realm_jax import sharding
-from realm_jax.index.corpus import embed_query_tokens
+from realm_jax.index.embedding import embed_query_tokens
 from realm_jax.model.inputs import (
     build_joint,
     check_fits,

@@ -81,14 +81,14 @@ def fingerprint(config, data_dir: str) -> dict:
     for k, v in model.items():
         if isinstance(v, dict):
             model[k] = {f: x for f, x in v.items() if f not in UNFINGERPRINTED_MODEL_FIELDS}
-    from realm_jax.data import prepared  # TFDS: not for every command that imports the loop
+    from realm_jax.data import datasets  # TFDS: not for every command that imports the loop
 
     out = {"task": config.get("task", "")}
     _flat("model", model, out)
-    summary = prepared.load_summary(data_dir)
-    out["prepared.fingerprint"] = summary.get("fingerprint")
-    _flat("prepared.config", summary.get("config", {}), out)
-    _flat("prepared.counts", summary.get("counts", {}), out)
+    summary = datasets.load_summary(data_dir)
+    out["datasets.fingerprint"] = summary.get("fingerprint")
+    _flat("datasets.config", summary.get("config", {}), out)
+    _flat("datasets.counts", summary.get("counts", {}), out)
     out["train.batch_size"] = config.train.batch_size
     out["data.seed"] = config.data.seed
     if config.get("task") == "realm":  # the masks it reads (absent in older checkpoints)
@@ -115,14 +115,14 @@ def setup(config, workdir: str):
     """What every task does first: the workdir, the mesh (the global batch must divide over
     it), the prepared data checked against the config. Returns (mesh, data dir, (tokens
     [N, block_len], doc_ids, titles))."""
-    from realm_jax.data import prepared  # TFDS: not for every command that imports the loop
+    from realm_jax.data import datasets  # TFDS: not for every command that imports the loop
 
     fs.makedirs(workdir)
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_batch(config.train.batch_size, mesh)
     ddir = paths.data_dir(config, workdir)
-    prepared.check_prepared(config, ddir)
-    return mesh, ddir, prepared.load_blocks(ddir)
+    datasets.check_prepared(config, ddir)
+    return mesh, ddir, datasets.load_blocks(ddir)
 
 
 def init_or_resume(mgr, state, shardings, it, data_args, *, fingerprint=None):

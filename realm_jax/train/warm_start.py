@@ -12,8 +12,8 @@ from flax import linen as nn
 
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
-from realm_jax.index.corpus import abstract_params
-from realm_jax.model import hf_import as weights
+from realm_jax.index.embedding import abstract_params
+from realm_jax.interop import hf_import as weights
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.inputs import dummy_input
 from realm_jax.model.realm import RetrieverModel, doc_embedder_name

@@ -1,7 +1,8 @@
-"""The ablation suite (bench/ablations.py, configs/ablations.py): every REALM arm's config runs,
-the stale-index arm serves an index as old as it says, and the bootstrap intervals are right."""
+"""The ablation suite (experiments/ablations/: ablations.py, config.py): every REALM arm's config
+runs, the stale-index arm serves an index as old as it says, and the bootstrap intervals are
+right."""
 
-import importlib.util
+import importlib
 import os
 
 import numpy as np
@@ -9,8 +10,8 @@ import pytest
 
 from realm_jax import checkpoint, sharding
 from realm_jax.config import load_config, validate
-from realm_jax.data import prepared
-from realm_jax.index import corpus
+from realm_jax.data import datasets
+from realm_jax.index import embedding
 from realm_jax.index.feed import IndexFeed
 from realm_jax.pretrain import commands as pretrain_commands
 from realm_jax.sweep.points import sweep_points
@@ -20,7 +21,7 @@ from tests.conftest import (
 )
 from tests.support.realm_fixtures import TINY_NETWORKS
 
-ABLATIONS = os.path.join(REPO, "configs", "ablations.py")
+ABLATIONS = os.path.join(REPO, "experiments", "ablations", "config.py")
 OVERRIDES = TINY_NETWORKS + [
     "data.block_len=64",
     "data.query_len=32",
@@ -39,11 +40,9 @@ OVERRIDES = TINY_NETWORKS + [
 ]
 
 
-def _bench(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _study(name):
+    """The study script experiments/<name>/<name>.py, imported as a package module."""
+    return importlib.import_module(f"experiments.{name}.{name}")
 
 
 def config(*extra):
@@ -66,8 +65,8 @@ def test_the_sweep_has_the_papers_four_realm_arms():
     stale = load_config(f"{ABLATIONS}:squad", ["data.mask_mode=salient", "refresh.every=3000"])
     recipe = load_config(os.path.join(REPO, "configs", "realm.py") + ":squad")
     assert stale.refresh.every == 30 * recipe.refresh.every  # the paper's "30x stale"
-    bench = _bench("ablations")
-    indexes = sorted(i for _, _, i, _ in bench.ARMS if i is not None)
+    study = _study("ablations")
+    indexes = sorted(i for _, _, i, _ in study.ARMS if i is not None)
     assert indexes == list(range(len(points)))
 
 
@@ -111,17 +110,17 @@ def test_the_stale_arm_serves_an_index_as_old_as_it_says(data_dir, tmp_path, mon
     history = pretrain_commands._train(cfg, workdir)
     assert [s for s, _ in seen] == [0, 4, 8]
     mesh = sharding.make_mesh(cfg.mesh)
-    tokens, _, _ = prepared.load_blocks(data_dir)
+    tokens, _, _ = datasets.load_blocks(data_dir)
     mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
-    from realm_jax.index.corpus import abstract_params
+    from realm_jax.index.embedding import abstract_params
 
     for step, emb in seen[1:]:  # re-embed checkpoint `step` independently of the trainer
         model, target = abstract_params(cfg, mesh, "doc_embedder")
         params = {
             "doc_embedder": checkpoint.restore_params_subtree(mgr, step, "doc_embedder", target)
         }
-        _, padded = corpus.pad_index(None, tokens, mesh)
-        ref = corpus.embed_blocks_fn(model, mesh, cfg.refresh.embed_batch_size)(
+        _, padded = embedding.pad_index(None, tokens, mesh)
+        ref = embedding.embed_blocks_fn(model, mesh, cfg.refresh.embed_batch_size)(
             params, sharding.put_rows(padded, mesh)
         )
         ref = np.asarray(sharding.to_host(ref))[: len(tokens)]
@@ -141,41 +140,41 @@ def test_the_stale_arm_serves_an_index_as_old_as_it_says(data_dir, tmp_path, mon
 
 
 def test_bootstrap_interval_matches_the_normal_approximation():
-    bench = _bench("ablations")
+    study = _study("ablations")
     rng = np.random.default_rng(1)
     values = (rng.random(2000) < 0.3).astype(np.float64)
-    lo, hi = bench.bootstrap(values, resamples=2000)
+    lo, hi = study.bootstrap(values, resamples=2000)
     p = values.mean()
     half = 1.96 * np.sqrt(p * (1 - p) / len(values))  # the binomial's normal interval
     assert abs(lo - (p - half)) < 0.006 and abs(hi - (p + half)) < 0.006
-    assert bench.bootstrap(np.ones(50)) == (1.0, 1.0)
+    assert study.bootstrap(np.ones(50)) == (1.0, 1.0)
 
 
 def test_per_question_reads_the_evaluate_records():
-    bench = _bench("ablations")
+    study = _study("ablations")
     records = [
         {"correct": True, "hits": {"5": True, "20": True}},
         {"correct": False, "hits": {"5": False, "20": True}},
     ]
-    assert bench.per_question(records, "em").tolist() == [1.0, 0.0]
-    assert bench.per_question(records, "recall@20").tolist() == [1.0, 1.0]
-    assert bench.cell(records, "recall@5").startswith("50.0 [")
+    assert study.per_question(records, "em").tolist() == [1.0, 0.0]
+    assert study.per_question(records, "recall@20").tolist() == [1.0, 1.0]
+    assert study.cell(records, "recall@5").startswith("50.0 [")
 
 
 def test_bm25_reader_picks_the_block_by_span_score_plus_weighted_retrieval_score():
-    bench = _bench("bm25_reader")
+    study = _study("bm25_reader")
     top = [  # BM25 ranks the wrong block first; its span scores prefer the other one
         {"span": "Paris", "span_score": 1.0, "bm25": 20.0, "score": -6.0, "has_answer": False},
         {"span": "Lyon", "span_score": 3.0, "bm25": 17.0, "score": -5.0, "has_answer": True},
     ]
     rec = {"gold": ["lyon"], "top_blocks": top}
     # 1.0 + 20w > 3.0 + 17w exactly when w > 2/3 (computed by hand)
-    assert bench.choose(rec, 0.0)["span"] == "Lyon"
-    assert bench.choose(rec, 0.5)["span"] == "Lyon"
-    assert bench.choose(rec, 1.0)["span"] == "Paris"
-    assert bench.choose(rec, bench.TOP1)["span"] == "Paris"  # the retriever's first block
-    assert bench.choose(rec, 1.0, "score")["span"] == "Lyon"  # the dense relevance instead
-    assert bench.correct(rec, top[1]) and not bench.correct(rec, top[0])  # ORQA's normalisation
+    assert study.choose(rec, 0.0)["span"] == "Lyon"
+    assert study.choose(rec, 0.5)["span"] == "Lyon"
+    assert study.choose(rec, 1.0)["span"] == "Paris"
+    assert study.choose(rec, study.TOP1)["span"] == "Paris"  # the retriever's first block
+    assert study.choose(rec, 1.0, "score")["span"] == "Lyon"  # the dense relevance instead
+    assert study.correct(rec, top[1]) and not study.correct(rec, top[0])  # ORQA's normalisation
 
 
 def test_the_arms_share_one_prepared_folder(tmp_path):
@@ -190,15 +189,15 @@ def test_the_arms_share_one_prepared_folder(tmp_path):
 
 
 def test_the_report_tables_what_was_run_and_marks_the_rest():
-    bench = _bench("ablations")
-    suite = bench.Suite("quick")
+    study = _study("ablations")
+    suite = study.Suite("quick")
     suite.timings = {"pretrain salient": {"wall_seconds": 120.0}}
     right = {"correct": True, "hits": {"5": True, "20": True}}
     wrong = {"correct": False, "hits": {"5": False, "20": True}}
-    results = {key: {} for key, _, _, _ in bench.ARMS}
+    results = {key: {} for key, _, _, _ in study.ARMS}
     results["salient"] = {"zeroshot": [right, wrong], "em": [wrong, wrong], "after": None}
     curves = {"REALM, salient span masks": {0: 0.08, 100: 0.17}}
-    title, body = bench.report(suite, results, curves, "abc123", ["salient"])
+    title, body = study.report(suite, results, curves, "abc123", ["salient"])
     assert "quick scale" in title and "commit abc123" in body
     rows = {line.split(" | ")[0]: line for line in body.splitlines() if line.startswith("| ")}
     salient = rows["| REALM, salient span masks"].split(" | ")
@@ -214,19 +213,19 @@ def test_realm_pretrains_from_an_mlm_reader_and_every_arm_finetunes_the_reading_
     reading phase's, whose span training erased its fill-in-the-blank skill); fine-tuning
     (and zero-shot scoring) of every dense arm starts from the reading phase's reader and
     span head with the arm's own retriever, loaded last so it replaces the phase's."""
-    bench = _bench("ablations")
-    suite = bench.Suite("quick")
+    study = _study("ablations")
+    suite = study.Suite("quick")
     read = f"model.init_from_realm={suite.workdir('read')}"
     extra = suite.pretrain_extra()
     assert f"model.init_embedders_from_ict={suite.workdir('ict')}" in extra
     assert not any(o.startswith(("model.init_from_realm", "model.init_reader_from")) for o in extra)
-    config = load_config(bench.ABLATIONS, extra)
+    config = load_config(study.ABLATIONS, extra)
     assert config.model.init_reader_from.endswith("bert-tiny-mlm")  # an MLM reader
     for arm, retriever in (
         ("ict", suite.workdir("ict")),
         ("salient", suite.point_workdir("salient")),
     ):
-        over = bench.init_overrides(suite, arm)
+        over = study.init_overrides(suite, arm)
         assert over[:2] == [read, "model.init_span_head_from_realm=true"]
         assert over[2] == f"model.init_embedders_from_ict={retriever}"
 
@@ -237,13 +236,13 @@ def test_a_realm_workdirs_embedders_load_as_an_ict_runs(tmp_path):
     import jax
 
     from realm_jax.model.bert import ModelConfig
-    from realm_jax.pretrain import step as train_step
+    from realm_jax.pretrain import step as pretrain_step
     from realm_jax.train import warm_start
     from tests.support.realm_fixtures import tiny_config
 
     cfg = tiny_config()
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    _, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    _, _, state, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
     mgr = checkpoint.manager(str(tmp_path), with_data=False)
     checkpoint.save(mgr, 3, state)
     mgr.wait_until_finished()

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("apache_beam")
 
 from realm_jax import cli, fs  # noqa: E402
-from realm_jax.data import corpus, prepared  # noqa: E402
+from realm_jax.data import corpus, datasets  # noqa: E402
 from realm_jax.data import prepare as P  # noqa: E402
 from tests.support.runs import SAMPLE  # noqa: E402
 from tests.support.runs import assert_same_prepared as _assert_same  # noqa: E402
@@ -117,23 +117,23 @@ def test_engine_choice(tmp_path):
     cfg.data.corpus = str(tmp_path)  # a folder of .txt files is read in process
     assert P.choose_engine(cfg.data) == "local"
     cfg.data.engine = "local"
-    with pytest.raises(prepared.PrepareError, match="needs data.engine=beam"):
+    with pytest.raises(datasets.PrepareError, match="needs data.engine=beam"):
         P.choose_engine(cfg.data, "DirectRunner")
     cfg.data.engine = "beam"
-    with pytest.raises(prepared.PrepareError, match="a .txt folder is in-process"):
+    with pytest.raises(datasets.PrepareError, match="a .txt folder is in-process"):
         _prepare(cfg, str(tmp_path / "d"), "beam")
     cfg.data.corpus = SAMPLE
     # Dataflow's workers read the corpus and write the datasets: both must be on gs://.
     where = "data.corpus .* and the data_dir .* must be gs:// paths"
-    with pytest.raises(prepared.PrepareError, match=f"DataflowRunner: .*{where}"):
+    with pytest.raises(datasets.PrepareError, match=f"DataflowRunner: .*{where}"):
         P.prepare(cfg, str(tmp_path / "e"), beam_runner="DataflowRunner")
     cfg.data.corpus = "gs://bucket/corpus.jsonl"
     assert P.choose_engine(cfg.data) == "beam"  # the in-process reader reads local files
-    with pytest.raises(prepared.PrepareError, match="so the data_dir .* must be a gs:// path"):
+    with pytest.raises(datasets.PrepareError, match="so the data_dir .* must be a gs:// path"):
         B.check_runner(cfg.data, "DataflowRunner", str(tmp_path / "d"))
     B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
     cfg.data.sentences = SAMPLE  # Dataflow's workers read the separate text too
-    with pytest.raises(prepared.PrepareError, match=r"data.sentences \(.*\) must be a gs://"):
+    with pytest.raises(datasets.PrepareError, match=r"data.sentences \(.*\) must be a gs://"):
         B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
     cfg.data.sentences = "gs://bucket/text.txt.gz"
     B.check_runner(cfg.data, "DataflowRunner", "gs://bucket/data")
@@ -250,7 +250,7 @@ def _assert_same_records(want_dir, got_dir):
             for field in x:
                 same = np.array_equal(np.asarray(x[field]), np.asarray(y[field]))
                 assert same, f"{name}[{i}].{field}: {x[field]!r} != {y[field]!r}"
-    counts = [prepared.load_summary(d)["counts"] for d in (want_dir, got_dir)]
+    counts = [datasets.load_summary(d)["counts"] for d in (want_dir, got_dir)]
     assert counts[0] == counts[1]
 
 

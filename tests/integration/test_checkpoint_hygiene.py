@@ -16,11 +16,11 @@ import pytest
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import datasets, pipeline
 from realm_jax.index import store
 from realm_jax.index.refresher import Refresher
 from realm_jax.pretrain import commands as pretrain_commands
-from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain import step as pretrain_step
 from realm_jax.train import loop
 from tests.conftest import REPO, prepare_sample_head
 from tests.support.runs import damage
@@ -54,7 +54,7 @@ def base(data_dir, tmp_path_factory):
     iterator 4 and 8 batches in. The weights are the initial ones; `step` tells them apart."""
     cfg = _config(data_dir)
     mesh = sharding.make_mesh(cfg.mesh)
-    _, _, state, shardings = train_step.create_state(cfg, mesh, jax.random.key(0))
+    _, _, state, shardings = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
     work = str(tmp_path_factory.mktemp("base"))
     mgr = checkpoint.manager(work, keep=2)
     it = _iterator(cfg, data_dir)
@@ -151,7 +151,7 @@ def test_data_changes_are_named_and_old_checkpoints_are_accepted(base, data_dir,
     seed, batch = cfg.data.seed, cfg.train.batch_size
     changed = _config(data_dir, f"data.seed={seed + 7}", f"train.batch_size={2 * batch}")
     now = loop.fingerprint(changed, data_dir)
-    now["prepared.counts.blocks"] += 1  # as if prepared again from a longer corpus
+    now["datasets.counts.blocks"] += 1  # as if prepared again from a longer corpus
     with pytest.raises(checkpoint.CheckpointMismatch) as e:
         loop.init_or_resume(
             checkpoint.manager(work), state, shardings, it, DATA_ARGS, fingerprint=now
@@ -161,7 +161,7 @@ def test_data_changes_are_named_and_old_checkpoints_are_accepted(base, data_dir,
         f"train.batch_size: checkpoint {batch}, now {2 * batch}",
     ):
         assert field in str(e.value), str(e.value)
-    assert "prepared.counts.blocks: checkpoint" in str(e.value)
+    assert "datasets.counts.blocks: checkpoint" in str(e.value)
     assert not os.path.exists(paths.damaged_checkpoint_dir(work))
 
     # A checkpoint written before fingerprints existed: one warning, then it restores.
@@ -210,7 +210,7 @@ def test_refresher_publishes_from_the_checkpoint_before_a_damaged_one(
     cfg = _config(data_dir, "refresh.mode=external", "refresh.build_scann=false")
     state, work = base[1], _copy(base, tmp_path)
     damage(work, 8, "zero-filled", every=True)
-    refresher = Refresher(cfg, work, prepared.load_blocks(data_dir)[0])
+    refresher = Refresher(cfg, work, datasets.load_blocks(data_dir)[0])
     with caplog.at_level(logging.INFO):
         assert refresher.run(max_versions=1) == 1
     assert store.list_versions(paths.index_dir(work)) == [4]

@@ -1,7 +1,7 @@
 """Clean errors: every expected error (bad input, config, data, weights, workdir) is one line
 `realm-jax <command>: error: <message>` on stderr with exit code 2, before any model is
 compiled or any checkpoint written; -v adds the traceback; anything else keeps its traceback
-and exits 1. The cases are bench/reliability_errors.py's (the table in docs/reliability.md)."""
+and exits 1. The cases are acceptance/bad_input.py's (the table in docs/reliability.md)."""
 
 import os
 import subprocess
@@ -10,13 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+from acceptance import bad_input as R
 from realm_jax import cli
 from realm_jax.config import ConfigError, load_config, validate
 from tests.conftest import REPO
-
-sys.path.insert(0, os.path.join(REPO, "bench"))
-
-import reliability_errors as R  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +65,7 @@ def test_verbose_adds_the_traceback(root):
     r = R.run_case(case, tmp, data, verbose=True)
     assert r.returncode == 2
     assert "Traceback (most recent call last)" in r.stderr
-    assert "realm_jax.model.hf_import.WeightImportError: " in r.stderr
+    assert "realm_jax.interop.hf_import.WeightImportError: " in r.stderr
     assert r.stderr.rstrip().splitlines()[-1] == r.lines[0]  # the one line still comes last
     assert r.lines[0].startswith("realm-jax train: error: ") and "pickles" in r.lines[0]
     quiet = R.run_case(case, tmp, data)
@@ -108,9 +105,9 @@ def test_which_errors_are_expected():
     # ValueError / FileNotFoundError: expected when realm_jax's code raised them ...
     own = caught(lambda: load_config("configs/realm.py:smoke", ["nonsense"]))
     assert isinstance(own, ConfigError) and cli.is_expected(own)
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
-    own_value = caught(lambda: prepared.examples_source("/nonexistent", "dev"))
+    own_value = caught(lambda: datasets.examples_source("/nonexistent", "dev"))
     assert type(own_value) is ValueError and cli.is_expected(own_value)
     # ... not when a library (or the test itself) did: a bug, with its traceback
     assert not cli.is_expected(caught(lambda: np.reshape(np.arange(3), (2, 2))))

@@ -11,7 +11,7 @@ What fake-gcs-server cannot show, and so is not tested here: preconditions on DE
 uploads and conditional GETs (it ignores them; the lease writes with multipart uploads, whose
 preconditions it enforces, and release() compares the generation itself before deleting),
 GCS's retries, latency and rate limits, and real GCS credentials (array_record's own GCS
-client reads the prepared shards in place from the emulator: prepared.py's ShardedSource,
+client reads the prepared shards in place from the emulator: datasets.py's ShardedSource,
 tests/test_shard_reads.py). Nothing here reaches real GCS.
 """
 
@@ -265,7 +265,7 @@ def sample_config():
 
 def test_prepare_to_gcs_and_read_back(root, sample_config, tmp_path, monkeypatch):
     from realm_jax import fs
-    from realm_jax.data import prepare, prepared
+    from realm_jax.data import datasets, prepare
 
     monkeypatch.setenv("REALM_JAX_CACHE", str(tmp_path / "cache"))
     local, remote = str(tmp_path / "data"), f"{root}/data"
@@ -274,20 +274,20 @@ def test_prepare_to_gcs_and_read_back(root, sample_config, tmp_path, monkeypatch
     assert fs.exists(f"{remote}/summary.json") and summary["files"]
     for rel, size in summary["files"].items():
         assert fs.size(f"{remote}/{rel}") == size
-    want, got = prepared.load_blocks(local), prepared.load_blocks(remote)
+    want, got = datasets.load_blocks(local), datasets.load_blocks(remote)
     np.testing.assert_array_equal(got[0], want[0])
     assert got[1:] == want[1:]
-    assert len(prepared.examples_source(remote)) == len(prepared.examples_source(local))
+    assert len(datasets.examples_source(remote)) == len(datasets.examples_source(local))
     # A dataset file gone: a clear error, not a TFDS traceback.
     rel = next(r for r in summary["files"] if "array_record" in r)
     fs.remove(f"{remote}/{rel}")
-    prepared._checked.clear()
-    with pytest.raises(prepared.PrepareError, match="is damaged: .* is missing"):
-        prepared.load_summary(remote)
+    datasets._checked.clear()
+    with pytest.raises(datasets.PrepareError, match="is damaged: .* is missing"):
+        datasets.load_summary(remote)
     # No summary (an upload interrupted before its commit marker): an incomplete prepare.
     fs.remove(f"{remote}/summary.json")
-    with pytest.raises(prepared.PrepareError, match="incomplete"):
-        prepared.load_summary(remote)
+    with pytest.raises(datasets.PrepareError, match="incomplete"):
+        datasets.load_summary(remote)
 
 
 def test_beam_prepare_builds_in_place_on_gcs(root, tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ def test_ask_reads_a_gcs_workdir(gcs, tmp_path, monkeypatch):
     from realm_jax.data import prepare
     from realm_jax.index import ask, store
     from realm_jax.index import scann as scann_index
-    from realm_jax.index.corpus import abstract_params
+    from realm_jax.index.embedding import abstract_params
 
     corpus = tmp_path / "corpus.jsonl"
     with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:

@@ -60,7 +60,7 @@ def _qa_config(*extra):
 
 def _random_params(config, names, seed: int = 0) -> dict:
     """{network: random host params} shaped as this config's networks (no init compiled)."""
-    from realm_jax.index.corpus import abstract_params
+    from realm_jax.index.embedding import abstract_params
 
     mesh, rng = sharding.make_mesh(config.mesh), np.random.default_rng(seed)
     out = {}
@@ -284,7 +284,7 @@ def test_warm_start_reads_realm_and_hf_weights_from_gcs(realm_run):
 def test_hf_folder_on_gcs_is_copied_once_into_the_cache(realm_run, gcs):
     """A gs:// weights folder is read from one verified local copy, made once per host;
     rewritten, it is copied afresh; a local folder is read in place."""
-    from realm_jax.model import hf_import as weights
+    from realm_jax.interop import hf_import as weights
 
     _, _, hf, tensors = realm_run
     first = weights.local_folder(hf)

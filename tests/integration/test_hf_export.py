@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from realm_jax import cli
-from realm_jax import interop as hf_commands
 from realm_jax.config import load_config
-from realm_jax.model import hf_export, safe_pickle
-from realm_jax.model import hf_import as weights
+from realm_jax.interop import commands as hf_commands
+from realm_jax.interop import hf_export, safe_pickle
+from realm_jax.interop import hf_import as weights
 from realm_jax.model.bert import ModelConfig
 from tests.conftest import REPO
 
@@ -287,7 +287,7 @@ def _peer_outputs(folder, out_npz) -> dict:
     r = subprocess.run(
         [
             PEER,
-            os.path.join(REPO, "bench", "make_hf_fixtures.py"),
+            os.path.join(REPO, "tests", "fixtures", "hf_realm", "make_fixtures.py"),
             "--check-export",
             str(folder),
             str(out_npz),

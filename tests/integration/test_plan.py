@@ -194,19 +194,17 @@ def test_base_plans_on_a_64_device_topology(tmp_path):
 
 def test_refresh_slice_plan_and_the_flop_count_it_is_read_with(tmp_path):
     """`--programs refresh` compiles the refresh job's corpus embedding alone (what a refresh
-    slice runs); and bench/flops.py's hand count of a document embedder's FLOPs, which
-    bench/refresh_scale.py scales to 13M blocks, agrees with XLA's cost analysis of that
+    slice runs); and benchmarks/flops.py's hand count of a document embedder's FLOPs, which
+    benchmarks/refresh_scale.py scales to 13M blocks, agrees with XLA's cost analysis of that
     program (one embedding chunk, so no loop body is counted once for many trips)."""
     rc, out, err, fig = run_plan(tmp_path, *SMOKE, "--topology", "cpu:2", "--programs", "refresh")
     assert rc == 0, err
     assert [p["program"] for p in fig["programs"]] == ["refresh: embed the corpus"]
     assert "REALM train step" not in out
 
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    from flops import embedder_flops
-
+    from benchmarks.flops import embedder_flops
     from realm_jax import sharding
-    from realm_jax.index.corpus import abstract_params, embed_blocks_fn
+    from realm_jax.index.embedding import abstract_params, embed_blocks_fn
     from realm_jax.model.bert import ModelConfig
     from realm_jax.model.realm import doc_embedder_name
 

@@ -15,9 +15,9 @@ import pytest
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
-from realm_jax.data import prepared
+from realm_jax.data import datasets
 from realm_jax.index import store
-from realm_jax.index.corpus import abstract_params
+from realm_jax.index.embedding import abstract_params
 from realm_jax.qa import commands as qa_commands
 from realm_jax.qa import data as qa_data
 from realm_jax.qa import step as qa_step
@@ -65,7 +65,7 @@ def _fixed_batch_loss(root, ddir, work, step):
     for name in ("query_embedder", "reader"):
         model, target = abstract_params(cfg, mesh, name)
         params[name] = checkpoint.restore_params_subtree(mgr, step, name, target)
-    tokens, _, _ = prepared.load_blocks(ddir)
+    tokens, _, _ = datasets.load_blocks(ddir)
     index = FrozenIndex.put(
         mesh, store.load_embeddings(store.latest_valid(paths.index_dir(work))[1]), tokens
     )

@@ -14,9 +14,9 @@ import pytest
 
 from realm_jax import cli, sharding
 from realm_jax import workdir as paths
-from realm_jax.data import prepare, prepared
+from realm_jax.data import datasets, prepare
 from realm_jax.index import store
-from realm_jax.index.corpus import embed_query_tokens
+from realm_jax.index.embedding import embed_query_tokens
 from realm_jax.qa import commands as qa_commands
 from realm_jax.qa import data as qa_data
 from realm_jax.qa import step as qa_step
@@ -111,7 +111,7 @@ def test_gold_blocks_match_a_brute_force_scan(sample, questions):
     examples = read_questions(questions)
     assert examples[0].gold_passage.startswith("train/") and examples[-1].gold_passage == ""
     arrays, _ = qa_data.encode(examples, cfg.data.query_len, q.answer_len, q.max_answers)
-    tokens, doc_ids, _ = prepared.load_blocks(ddir)
+    tokens, doc_ids, _ = datasets.load_blocks(ddir)
     lists, gold = qa_data.gold_blocks(examples, doc_ids, tokens, arrays["answer_ids"])
     multi = 0
     for n, ex in enumerate(examples):
@@ -150,7 +150,7 @@ def test_gold_blocks_match_a_brute_force_scan(sample, questions):
 def test_gold_in_beam_puts_the_gold_block_in_the_read_beam(sample, run, questions):
     root, ddir = sample
     cfg, work, _, model, params, mesh = run
-    tokens, doc_ids, _ = prepared.load_blocks(ddir)
+    tokens, doc_ids, _ = datasets.load_blocks(ddir)
     examples = read_questions(questions)
     arrays, _ = qa_data.encode(examples, cfg.data.query_len, cfg.qa.answer_len, cfg.qa.max_answers)
     _, gold = qa_data.gold_blocks(examples, doc_ids, tokens, arrays["answer_ids"])
@@ -209,7 +209,7 @@ def test_finetune_with_gold_in_beam_logs_its_rate(run):
 def test_evaluate_gold_reads_the_gold_passage(sample, run, questions, tmp_path):
     root, ddir = sample
     cfg, work, _, _, _, _ = run
-    tokens, doc_ids, _ = prepared.load_blocks(ddir)
+    tokens, doc_ids, _ = datasets.load_blocks(ddir)
     examples = read_questions(questions)
     arrays, _ = qa_data.encode(examples, cfg.data.query_len, cfg.qa.answer_len, cfg.qa.max_answers)
     lists, _ = qa_data.gold_blocks(examples, doc_ids, tokens, arrays["answer_ids"])
@@ -245,7 +245,7 @@ def test_evaluate_initial_retrieval_is_the_warm_starts(sample, run, questions, t
     assert metrics["checkpoint"] == "initial" and metrics["model"].startswith("initial")
     examples = read_questions(questions)
     arrays, _ = qa_data.encode(examples, cfg.data.query_len, cfg.qa.answer_len, cfg.qa.max_answers)
-    tokens, _, _ = prepared.load_blocks(ddir)
+    tokens, _, _ = datasets.load_blocks(ddir)
     emb = store.load_embeddings(store.latest_valid(paths.index_dir(work))[1])
     q = np.asarray(embed_query_tokens(model, params, arrays["question_ids"]), np.float32)
     order = np.argsort(-(q @ emb.T), axis=1, kind="stable")

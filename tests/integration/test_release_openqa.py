@@ -1,7 +1,7 @@
 """The paper's released open-QA model through `import` -> `evaluate` -> `ask`, rehearsed on tiny
 fixtures of the release's formats (tests/fixtures/release/, written by TensorFlow's Saver and
-TFRecordWriter): the README's "Reproducing the paper's released models" commands, read from
-the README and run with the gs:// paths mapped to local copies.
+TFRecordWriter): docs/release.md's "Reproducing the paper's released models" commands, read from
+that page and run with the gs:// paths mapped to local copies.
 
 The fixture's words are 100 ids, and realm-jax's tokenizer speaks BERT's 30,522: the rehearsal's
 copy of orqa_nq_model_from_realm keeps every fixture value and widens the two word-embedding
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from realm_jax import cli
-from realm_jax.data import tfrecord
-from realm_jax.model import tf_checkpoint as tc
+from realm_jax.interop import tf_checkpoint as tc
+from realm_jax.interop import tfrecord
 from realm_jax.tokenization import encode_query
 from tests.conftest import REPO
 
@@ -122,13 +122,13 @@ def release(tmp_path_factory):
     return root, paths, values
 
 
-# ------------------------------------------------------------------ the README's commands
+# ------------------------------------------------------------------ docs/release.md's commands
 SECTION = "## Reproducing the paper's released models"
 
 
 def readme_commands() -> list[list[str]]:
-    """The realm-jax commands of the README section's sh block, variables expanded."""
-    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    """The realm-jax commands of docs/release.md section's sh block, variables expanded."""
+    text = open(os.path.join(REPO, "docs", "release.md"), encoding="utf-8").read()
     section = text[text.index(SECTION) :]
     block = section[section.index("```sh\n") + 6 :]
     block = block[: block.index("```")]
@@ -148,7 +148,7 @@ def readme_commands() -> list[list[str]]:
 
 
 def _rehearsal_argv(words: list[str], paths: dict, workdir: str) -> list[str]:
-    """A README command for the fixtures: gs:// paths to local copies, the workdir to a temp
+    """A release.md command for the fixtures: gs:// paths to local copies, the workdir to a temp
     folder, and the base config given the fixtures' architecture and input lengths."""
     out = []
     for w in words:
@@ -226,7 +226,7 @@ def _brute_force(values, questions, k: int):
 # ------------------------------------------------------------------ the rehearsal
 @pytest.fixture(scope="module")
 def rehearsed(release, tmp_path_factory):
-    """The README's four commands on the fixtures: (workdir, {command: its stdout})."""
+    """The page's four commands on the fixtures: (workdir, {command: its stdout})."""
     _, paths, _ = release
     work = str(tmp_path_factory.mktemp("run") / "orqa-nq-release")
     commands = readme_commands()

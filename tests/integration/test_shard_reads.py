@@ -1,4 +1,4 @@
-"""A gs:// prepared data dir read where it lies (data/prepared.py, REALM_JAX_REMOTE_READS=direct):
+"""A gs:// prepared data dir read where it lies (data/datasets.py, REALM_JAX_REMOTE_READS=direct):
 no host copies the whole data dir any more. Against a local GCS (tests/support/fake_gcs.py) and a
 prepared corpus of 8,064 blocks whose blocks dataset is cut into 3 array_record shards:
 
@@ -8,7 +8,7 @@ prepared corpus of 8,064 blocks whose blocks dataset is cut into 3 array_record 
 - a shard that no longer matches summary.json, or whose bytes changed, is refused by its reader;
 - REALM_JAX_REMOTE_READS=copy still copies the whole data dir (the former way);
 - 2 jax.distributed processes (2 fake CPU devices each) build the row-sharded token table
-  (prepared.sharded_block_tokens, what the trainer and the refresh job use) and the training
+  (datasets.sharded_block_tokens, what the trainer and the refresh job use) and the training
   batches from gs://: each process reads only the shards of its own rows (counted by an HTTP
   proxy per process in front of the store: bytes and objects), the table equals the whole
   local one and the batches equal those of the local data dir, and nothing is copied.
@@ -207,14 +207,14 @@ def data(gcs, tmp_path_factory):
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """Sources opened afresh (their read counts from zero), an empty cache, direct reads."""
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     monkeypatch.setenv("REALM_JAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(prepared.REMOTE_READS, raising=False)
-    prepared._open_in_place.cache_clear()
-    prepared._open.cache_clear()
+    monkeypatch.delenv(datasets.REMOTE_READS, raising=False)
+    datasets._open_in_place.cache_clear()
+    datasets._open.cache_clear()
     yield tmp_path / "cache"
-    prepared._open_in_place.cache_clear()
+    datasets._open_in_place.cache_clear()
 
 
 def _same(a: dict, b: dict) -> None:
@@ -224,14 +224,14 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_shards_read_in_place_give_the_tfds_records(data, fresh):
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     local, sharded, remote, _ = data
-    src, want = prepared.blocks_source(remote), prepared.blocks_source(local)
-    assert isinstance(src, prepared.ShardedSource) and len(src.shards) == SHARDS
+    src, want = datasets.blocks_source(remote), datasets.blocks_source(local)
+    assert isinstance(src, datasets.ShardedSource) and len(src.shards) == SHARDS
     assert len(src) == len(want) and repr(src) == repr(want)  # grain's check on a resume
     # the 3-shard twin is a valid TFDS dataset: TFDS's own source reads it the same
-    assert len(prepared.blocks_source(sharded)) == len(want)
+    assert len(datasets.blocks_source(sharded)) == len(want)
     n = len(want)
     keys = [0, 1, n // 3 - 1, n // 3, n // 2, 2 * n // 3, n - 1]
     for k in keys:
@@ -242,7 +242,7 @@ def test_shards_read_in_place_give_the_tfds_records(data, fresh):
     across = list(src.read_range(n // 3 - 5, n // 3 + 5))  # over a shard boundary
     for k, rec in zip(range(n // 3 - 5, n // 3 + 5), across):
         _same(rec, want[k])
-    ex, ex_want = prepared.examples_source(remote), prepared.examples_source(local)
+    ex, ex_want = datasets.examples_source(remote), datasets.examples_source(local)
     assert len(ex) == len(ex_want) and repr(ex) == repr(ex_want)
     for k in (0, 17, len(ex_want) - 1):
         _same(ex[k], ex_want[k])
@@ -250,17 +250,17 @@ def test_shards_read_in_place_give_the_tfds_records(data, fresh):
 
 
 def test_block_rows_open_only_the_shards_that_hold_them(data, fresh):
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     local, _, remote, _ = data
-    tokens = prepared.load_blocks(local)[0]
+    tokens = datasets.load_blocks(local)[0]
     n, per = len(tokens), len(tokens) // SHARDS
-    got = prepared.load_block_rows(remote, [(10, 60), (per - 3, per + 4)])
+    got = datasets.load_block_rows(remote, [(10, 60), (per - 3, per + 4)])
     np.testing.assert_array_equal(got[(10, 60)], tokens[10:60])
     np.testing.assert_array_equal(got[(per - 3, per + 4)], tokens[per - 3 : per + 4])
-    src = prepared.blocks_source(remote)
+    src = datasets.blocks_source(remote)
     assert sorted(src.opened) == [0, 1] and src.records_read == 50 + 7
-    tail = prepared.load_block_rows(remote, [(n - 2, n + 3)])[(n - 2, n + 3)]
+    tail = datasets.load_block_rows(remote, [(n - 2, n + 3)])[(n - 2, n + 3)]
     np.testing.assert_array_equal(tail[:2], tokens[n - 2 :])
     assert not tail[2:].any()  # the padding rows of a row-sharded table
     assert sorted(src.opened) == [0, 1, 2]
@@ -271,65 +271,65 @@ def test_the_row_sharded_table_equals_the_whole_one(data, fresh):
     import jax
 
     from realm_jax import sharding
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     local, _, remote, _ = data
     mesh = jax.make_mesh(
         (5,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:5]
     )
-    table, _, titles = prepared.load_blocks(local)
+    table, _, titles = datasets.load_blocks(local)
     assert len(table) % 5  # 8,064 blocks: 1 padding row
     for ddir in (local, remote):
-        got = prepared.sharded_block_tokens(ddir, mesh, with_titles=True)
+        got = datasets.sharded_block_tokens(ddir, mesh, with_titles=True)
         assert got.shape == table.shape and got.titles == titles
         assert got.rows.sharding.is_equivalent_to(sharding.rows_sharding(mesh), 2)
         np.testing.assert_array_equal(sharding.to_host(got.rows), sharding.pad_rows(table, mesh))
-    assert prepared.sharded_block_tokens(remote, mesh).titles is None
+    assert datasets.sharded_block_tokens(remote, mesh).titles is None
 
 
 def test_a_shard_that_no_longer_matches_the_summary_is_refused(data, fresh):
     from realm_jax import fs
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     _, sharded, _, _ = data
     remote = f"gs://{BUCKET}/damaged"
     fs.upload_tree(sharded, remote)
-    prepared.load_summary(remote)  # checked whole at first
+    datasets.load_summary(remote)  # checked whole at first
     folder = "blocks/realm_blocks/1.0.0"
     last = sorted(f for f in os.listdir(os.path.join(sharded, folder)) if "array_record" in f)[-1]
     good = open(os.path.join(sharded, folder, last), "rb").read()
     fs.write_bytes(f"{remote}/{folder}/{last}", good[: len(good) // 2])  # replaced under the run
-    src = prepared.blocks_source(remote)
+    src = datasets.blocks_source(remote)
     assert src[0]["block_id"] == 0  # the intact shards still read
     with pytest.raises(
-        prepared.PrepareError,
+        datasets.PrepareError,
         match=f"{last} has {len(good) // 2} bytes, summary.json says {len(good)}",
     ):
         src[len(src) - 1]
-    with pytest.raises(prepared.PrepareError, match="damaged or re-prepared"):
+    with pytest.raises(datasets.PrepareError, match="damaged or re-prepared"):
         list(src.read_range(len(src) - 3, len(src)))
     # the same size, some bytes changed: riegeli's chunk hashes refuse what is read of it
     first = sorted(f for f in os.listdir(os.path.join(sharded, folder)) if "array_record" in f)[0]
     good = bytearray(open(os.path.join(sharded, folder, first), "rb").read())
     good[len(good) // 3 : len(good) // 3 + 64] = bytes(64)
     fs.write_bytes(f"{remote}/{folder}/{first}", bytes(good))
-    with pytest.raises(prepared.PrepareError, match=f"{first} does not read"):
+    with pytest.raises(datasets.PrepareError, match=f"{first} does not read"):
         list(src.read_range(0, src.shards[0].records))
 
 
 def test_copy_mode_still_copies_the_whole_data_dir(data, fresh, monkeypatch):
-    from realm_jax.data import prepared
+    from realm_jax.data import datasets
 
     local, _, remote, _ = data
-    monkeypatch.setenv(prepared.REMOTE_READS, "copy")
-    src = prepared.blocks_source(remote)
-    assert not isinstance(src, prepared.ShardedSource) and len(src) == len(
-        prepared.blocks_source(local)
+    monkeypatch.setenv(datasets.REMOTE_READS, "copy")
+    src = datasets.blocks_source(remote)
+    assert not isinstance(src, datasets.ShardedSource) and len(src) == len(
+        datasets.blocks_source(local)
     )
     assert len(os.listdir(fresh / "prepared")) == 1
-    monkeypatch.setenv(prepared.REMOTE_READS, "sometimes")
+    monkeypatch.setenv(datasets.REMOTE_READS, "sometimes")
     with pytest.raises(ValueError, match="REALM_JAX_REMOTE_READS"):
-        prepared.remote_reads()
+        datasets.remote_reads()
 
 
 WORKER = r"""
@@ -344,14 +344,14 @@ import json
 import numpy as np
 from realm_jax import sharding
 from realm_jax.config import load_config
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import pipeline, datasets
 from realm_jax.index.feed import IndexFeed
 from realm_jax.model.realm import realm_model
 from tests.support.realm_fixtures import tiny_config
 local, remote = os.environ["SHARD_LOCAL"], os.environ["SHARD_REMOTE"]
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-tokens = prepared.sharded_block_tokens(remote, mesh, with_titles=True)
-table, _, titles = prepared.load_blocks(local)
+tokens = datasets.sharded_block_tokens(remote, mesh, with_titles=True)
+table, _, titles = datasets.load_blocks(local)
 want = sharding.pad_rows(table, mesh)
 assert tokens.shape == table.shape and tokens.titles == titles
 assert np.array_equal(sharding.to_host(tokens.rows), want)
@@ -359,7 +359,7 @@ assert np.array_equal(sharding.to_host(tokens.rows), want)
 feed = IndexFeed(tiny_config("refresh.mode=inprocess"), os.environ["SHARD_WORK"], mesh,
                  realm_model(tiny_config().model), tokens)
 assert feed.tokens is tokens.rows and feed.num_blocks == tokens.shape[0]
-blocks = prepared.blocks_source(remote)
+blocks = datasets.blocks_source(remote)
 config = load_config("configs/realm.py:smoke", json.loads(os.environ["SHARD_OVERRIDES"]))
 loaders = [iter(pipeline.train_loader(config, d, global_batch_size=8, seed=3))
            for d in (remote, local)]
@@ -368,7 +368,7 @@ for _ in range(3):
     assert got.keys() == ref.keys()
     for k in got:
         assert np.array_equal(got[k], ref[k]), k
-examples = prepared.examples_source(remote)
+examples = datasets.examples_source(remote)
 print("READ", json.dumps({"shards": sorted(blocks.opened), "rows": blocks.records_read,
                           "examples": examples.records_read}), flush=True)
 jax.distributed.shutdown()

@@ -15,13 +15,13 @@ import pytest
 
 from realm_jax import checkpoint, sharding
 from realm_jax import workdir as paths
-from realm_jax.data import prepare, prepared
-from realm_jax.index import corpus, store
+from realm_jax.data import datasets, prepare
+from realm_jax.index import embedding, store
 from realm_jax.index.feed import IndexFeed
 from realm_jax.index.refresher import Refresher
 from realm_jax.model.realm import RealmModel
 from realm_jax.pretrain import commands as pretrain_commands
-from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain import step as pretrain_step
 from realm_jax.train import warm_start
 from realm_jax.workdir import index_dir
 from tests.conftest import REPO, prepare_sample_head
@@ -132,9 +132,9 @@ def _publish_and_hang(idx_dir, n, d):  # runs in a child process
 def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
     workdir = str(tmp_path)
-    tokens = prepared.load_blocks(data_dir)[0]
+    tokens = datasets.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state0, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    model, _, state0, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
     noise = jax.random.key(1)  # new document embedder parameters for the second checkpoint
     state1 = state0.replace(
         params=jax.tree.map(
@@ -164,7 +164,7 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
         emb = np.asarray(jax.device_get(feed.emb))[: len(tokens)]
         return np.argsort(-(queries @ emb.T), axis=1)[:, :3], emb
 
-    embed_ref = jax.jit(lambda p, t: corpus.embed_block_tokens(model, p, t))
+    embed_ref = jax.jit(lambda p, t: embedding.embed_block_tokens(model, p, t))
     ids0, emb0 = top_ids()
     # Direct embedding of the blocks with the checkpoint's document embedder (reference).
     want0 = np.asarray(embed_ref(state0.params, tokens))
@@ -211,7 +211,7 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     from realm_jax.index import ask as serve
 
     hits = serve.ask(cfg, workdir, "Which earthquake struck Sichuan in 2008?", 3)
-    titles = prepared.load_blocks(data_dir)[2]
+    titles = datasets.load_blocks(data_dir)[2]
     assert len(hits) == 3 and all(title in titles for title, _, _ in hits)
 
 
@@ -283,13 +283,13 @@ def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
     )
     ddir = str(tmp_path / "data")
     prepare.prepare(cfg, ddir)
-    tokens = prepared.load_blocks(ddir)[0]
+    tokens = datasets.load_blocks(ddir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state, _ = train_step.create_state(
+    model, _, state, _ = pretrain_step.create_state(
         cfg, mesh, jax.random.key(0), warm_start.params_hook(cfg)
     )
-    _, tok = corpus.pad_index(None, tokens, mesh)
-    emb = corpus.embed_blocks_fn(model, mesh, 16)(state.params, sharding.put_rows(tok, mesh))
+    _, tok = embedding.pad_index(None, tokens, mesh)
+    emb = embedding.embed_blocks_fn(model, mesh, 16)(state.params, sharding.put_rows(tok, mesh))
     emb = np.asarray(jax.device_get(emb))[: len(tokens)]
     batch = next(iter(pipeline.train_loader(cfg, ddir, global_batch_size=64, seed=0)))
     q = np.asarray(
@@ -322,7 +322,7 @@ def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
     overrides = [*OVERRIDES, f"data.data_dir={data_dir}", "refresh.build_scann=false"]
     cfg = config(*overrides[len(OVERRIDES) :])
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(3))
+    model, _, state, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(3))
     mgr = checkpoint.manager(str(tmp_path), with_data=False)
     checkpoint.save(mgr, 0, state)
     mgr.wait_until_finished()
@@ -344,9 +344,9 @@ def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     assert "PUBLISHED -" in outs[1] and "PUBLISHED " + index_dir(str(tmp_path)) in outs[0]
-    tokens = prepared.load_blocks(data_dir)[0]
+    tokens = datasets.load_blocks(data_dir)[0]
     step, path = store.latest_valid(index_dir(str(tmp_path)), expected_num_blocks=len(tokens))
-    want = jax.jit(lambda p, t: corpus.embed_block_tokens(model, p, t))(state.params, tokens)
+    want = jax.jit(lambda p, t: embedding.embed_block_tokens(model, p, t))(state.params, tokens)
     np.testing.assert_allclose(store.load_embeddings(path), np.asarray(want), atol=2e-5)
     assert step == 0
 
@@ -464,12 +464,12 @@ def test_refresher_never_publishes_non_finite_embeddings(data_dir, tmp_path, cap
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
     workdir = str(tmp_path)
     mesh = sharding.make_mesh(cfg.mesh)
-    _, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    _, _, state, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
     state = state.replace(params=jax.tree.map(lambda p: p * np.nan, state.params))
     mgr = checkpoint.manager(workdir, with_data=False)
     checkpoint.save(mgr, 3, state)
     mgr.wait_until_finished()
-    refresher = Refresher(cfg, workdir, prepared.load_blocks(data_dir)[0])
+    refresher = Refresher(cfg, workdir, datasets.load_blocks(data_dir)[0])
     with caplog.at_level("ERROR"):
         assert refresher.refresh_once(mgr, 3) == ""
     assert store.list_versions(paths.index_dir(workdir)) == []
@@ -553,9 +553,9 @@ def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_di
     last slice is moved back to end at the last row, overlapping the one before)."""
     every = 5
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=amortized", f"refresh.every={every}")
-    tokens = prepared.load_blocks(data_dir)[0]
+    tokens = datasets.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state0, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    model, _, state0, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
 
     def moved(seed):  # the parameters of another step
         k = jax.random.key(seed)
@@ -573,13 +573,13 @@ def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_di
     def expected(steps):  # steps[j]: the step whose parameters embedded slice j
         out = whole[0].reshape(n_dev, per_dev, -1).copy()
         for j, s in enumerate(steps):
-            first, size = corpus.slice_rows(per_dev, every, j)
+            first, size = embedding.slice_rows(per_dev, every, j)
             out[:, first : first + size] = whole[s].reshape(n_dev, per_dev, -1)[
                 :, first : first + size
             ]
         return out.reshape(whole[0].shape)
 
-    first, size = corpus.slice_rows(per_dev, every, every - 1)
+    first, size = embedding.slice_rows(per_dev, every, every - 1)
     assert first + size == per_dev and first < (every - 1) * size  # the overlap is exercised
     served = {}
     for step in range(1, 2 * every):
@@ -621,9 +621,9 @@ def test_refresh_job_embeds_a_large_corpus_in_parts_and_reports_progress(data_di
         "refresh.progress_every_blocks=50",
     )
     workdir = str(tmp_path)
-    tokens = prepared.load_blocks(data_dir)[0]
+    tokens = datasets.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, state, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    model, _, state, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
     mgr = checkpoint.manager(workdir, with_data=False)
     checkpoint.save(mgr, 0, state)
     mgr.wait_until_finished()
@@ -648,9 +648,9 @@ def test_first_index_wait_follows_the_refresh_jobs_progress(data_dir, tmp_path, 
 
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.wait_seconds=1.5")
     cfg.refresh.poll_seconds = 0.1
-    tokens = prepared.load_blocks(data_dir)[0]
+    tokens = datasets.load_blocks(data_dir)[0]
     mesh = sharding.make_mesh(cfg.mesh)
-    model, _, _, _ = train_step.create_state(cfg, mesh, jax.random.key(0))
+    model, _, _, _ = pretrain_step.create_state(cfg, mesh, jax.random.key(0))
     alone = str(tmp_path / "alone")
     t0 = time.time()
     with pytest.raises(TimeoutError, match="no progress from a refresh job"):

@@ -1,9 +1,12 @@
 """Tiny synthetic REALM inputs shared by the train-step tests and the multi-process worker."""
 
+import os
+
 import numpy as np
 
 from realm_jax.config import load_config
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_OVERRIDES = [
     "model.vocab_size=512",
     "model.embedder.hidden_size=32",
@@ -42,7 +45,9 @@ NUM_BLOCKS = 61  # not a multiple of 8: exercises index padding
 
 
 def tiny_config(*extra):
-    return load_config("configs/realm.py:smoke", CONFIG_OVERRIDES + list(extra))
+    return load_config(
+        os.path.join(REPO, "configs", "realm.py:smoke"), CONFIG_OVERRIDES + list(extra)
+    )
 
 
 def synthetic_index(config, seed=0):

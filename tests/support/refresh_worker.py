@@ -17,12 +17,12 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 from realm_jax import checkpoint  # noqa: E402
 from realm_jax.config import load_config  # noqa: E402
-from realm_jax.data import prepared  # noqa: E402
+from realm_jax.data import datasets  # noqa: E402
 from realm_jax.index.refresher import Refresher  # noqa: E402
 
 repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 config = load_config(os.path.join(repo, "configs", "realm.py") + ":smoke", sys.argv[5:])
-refresher = Refresher(config, workdir, prepared.load_blocks(data_dir)[0])
+refresher = Refresher(config, workdir, datasets.load_blocks(data_dir)[0])
 assert refresher.mesh.devices.size == 8 and jax.process_count() == 2
 mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
 path = refresher.refresh_once(mgr, 0)

@@ -10,7 +10,7 @@ import numpy as np
 from realm_jax import fs
 from realm_jax import workdir as paths
 from realm_jax.config import load_config
-from realm_jax.data import prepare, prepared
+from realm_jax.data import datasets, prepare
 from tests.conftest import REPO
 from tests.support.realm_fixtures import TINY_NETWORKS
 
@@ -116,10 +116,10 @@ def data_config(corpus_path, *overrides):
 
 def prepared_records(d):
     """Every record of the three datasets, by dataset name (eval_examples may be absent)."""
-    out = {"blocks": [prepared.blocks_source(d)[i] for i in range(len(prepared.blocks_source(d)))]}
+    out = {"blocks": [datasets.blocks_source(d)[i] for i in range(len(datasets.blocks_source(d)))]}
     for split, name in (("train", "examples"), ("eval", "eval_examples")):
         if fs.isdir(fs.join(d, name)):  # d may be gs:// (tests/test_gcs.py)
-            src = prepared.examples_source(d, split)
+            src = datasets.examples_source(d, split)
             out[name] = [src[i] for i in range(len(src))]
     return out
 
@@ -137,7 +137,7 @@ def assert_same_prepared(local_dir, beam_dir):
                 assert same, f"{name}[{i}].{field}: {x[field]!r} != {y[field]!r}"
     for i, rec in enumerate(b["blocks"]):
         assert rec["block_id"] == i  # record i is block i: what the index and trainer use
-    sa, sb = (prepared.load_summary(d) for d in (local_dir, beam_dir))
+    sa, sb = (datasets.load_summary(d) for d in (local_dir, beam_dir))
     assert sa["counts"] == sb["counts"] and sa["fingerprint"] == sb["fingerprint"]
     assert (sa["engine"], sb["engine"]) == ("local", "beam")
     assert sa["masking"] == sb["masking"]

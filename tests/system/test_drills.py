@@ -1,4 +1,4 @@
-"""The record the reliability drills compare (bench/drills.py): with train.record_example_ids
+"""The record the reliability drills compare (acceptance/drills.py): with train.record_example_ids
 the loop writes the ids of the examples each step trained on; a resume writes the steps it
 redoes again, so the last record of every step is what the run trained on."""
 
@@ -13,7 +13,7 @@ import pytest
 from realm_jax import checkpoint
 from realm_jax import tokenization as tk
 from realm_jax import workdir as paths
-from realm_jax.data import pipeline, prepared
+from realm_jax.data import datasets, pipeline
 from realm_jax.train import loop
 from tests.conftest import prepare_sample_head
 from tests.support.runs import realm_config as config
@@ -72,7 +72,7 @@ def _train(cfg, data_dir, work: str) -> int:
 def test_batches_carry_the_ids_of_the_examples_they_hold(data_dir):
     cfg = _config(data_dir, 1)
     batch = next(iter(_loader(cfg, data_dir)))
-    by_id = {int(r["example_id"]): r for r in prepared.examples_source(data_dir)}
+    by_id = {int(r["example_id"]): r for r in datasets.examples_source(data_dir)}
     assert batch["example_id"].shape == (cfg.train.batch_size,)
     for i, eid in enumerate(batch["example_id"]):
         tokens = tk.pad_to(by_id[int(eid)]["token_ids"], cfg.data.query_len)

@@ -1,4 +1,4 @@
-"""The pod rehearsal's short chain (bench/pod_rehearsal.py --quick) inside `make test`, so no
+"""The pod rehearsal's short chain (acceptance/pod_rehearsal.py --quick) inside `make test`, so no
 multi-host or gs:// regression lands: prepare into gs://, ICT with its held-out evaluation,
 REALM with its refresh job as a separate 2-process job (lockstep swaps), fine-tuning warm-started
 from the gs:// REALM workdir and `evaluate` writing to gs://, every multi-host stage as
@@ -22,7 +22,7 @@ def test_quick_pod_rehearsal(tmp_path):
     root = tmp_path / "rehearsal"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "pod_rehearsal.py"), "--quick"]
+        [sys.executable, os.path.join(REPO, "acceptance", "pod_rehearsal.py"), "--quick"]
         + ["--root", str(root)],
         cwd=REPO,
         env=env,

@@ -1,16 +1,14 @@
-"""The benchmark's matmul census (bench/train_throughput.step_matmuls) against hand counts."""
+"""The benchmarks' and studies' own arithmetic against hand counts: the matmul census
+(benchmarks/train_throughput.step_matmuls), the peer benchmark's summary, the stage stamps and
+paired test (experiments/tools/), the gradient noise scale and the GPU run's pack round trip."""
 
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.train_throughput import matmuls_alone, step_matmuls
 from tests.conftest import REPO
-
-sys.path.insert(0, os.path.join(REPO, "bench"))
-
-from train_throughput import matmuls_alone, step_matmuls  # noqa: E402
 
 
 def test_step_matmuls_counts_scans_nested_jits_and_batched_dots():
@@ -39,10 +37,10 @@ def test_step_matmuls_counts_scans_nested_jits_and_batched_dots():
 
 
 def test_peer_summary_ratios_and_section_from_hand_figures():
-    """bench/peer_hf_realm's summary: per-round throughput from each process's median timed
+    """benchmarks/peer_hf_realm's summary: per-round throughput from each process's median timed
     call, medians and ranges over rounds, ratios realm-jax / HF (speed) and HF / realm-jax
     (memory); checked against figures worked out by hand."""
-    from peer_hf_realm import report_body, summarise
+    from benchmarks.peer_hf_realm import report_body, summarise
 
     def res(times, rss, warm=1.0):
         return {"times": times, "peak_rss_gb": rss, "warmup_s": warm}
@@ -64,7 +62,7 @@ def test_peer_summary_ratios_and_section_from_hand_figures():
     assert r["memory_pairs"]["min"] == 15.0 / 5.0 and r["memory_pairs"]["max"] == 14.0 / 4.0
     assert s[("ratio", "embed")]["speed"] == 2.0 and s[("ratio", "embed")]["memory"] == 0.5
     meta = dict(
-        command="python bench/peer_hf_realm.py",
+        command="python benchmarks/peer_hf_realm.py",
         rounds=2,
         steps=3,
         embed_reps=1,
@@ -90,17 +88,12 @@ def test_peer_summary_ratios_and_section_from_hand_figures():
 def test_stage_stamps_reuse_only_a_stage_of_the_same_config_code_and_upstream(
     tmp_path, monkeypatch
 ):
-    """bench/stage_stamp.py (issue 22: a benchmark reused an ICT workdir made by older code):
-    the stamp follows the resolved config, the code and the upstream stages; a finished stage
-    is current only under its own stamp, an unfinished one resumes, a stale one is moved
-    aside whole."""
-    import importlib.util
+    """experiments/tools/stage_stamp.py (issue 22: a benchmark reused an ICT workdir made by
+    older code): the stamp follows the resolved config, the code and the upstream stages; a
+    finished stage is current only under its own stamp, an unfinished one resumes, a stale one
+    is moved aside whole."""
+    from experiments.tools import stage_stamp as st
 
-    spec = importlib.util.spec_from_file_location(
-        "stage_stamp", os.path.join(REPO, "bench", "stage_stamp.py")
-    )
-    st = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(st)
     cfg = os.path.join(REPO, "configs", "ict.py") + ":smoke"
     base = st.stamp(cfg, [], ["data-1"])
     assert base == st.stamp(cfg, [], ["data-1"])
@@ -123,7 +116,8 @@ def test_stage_stamps_reuse_only_a_stage_of_the_same_config_code_and_upstream(
 
 def test_paired_retrieval_counts_and_sign_test_by_hand():
     import pytest
-    from paired_retrieval import compare, sign_test, spread, table
+
+    from experiments.tools.paired_retrieval import compare, sign_test, spread, table
 
     # the exact sign test, by hand: 0 of 5 -> 2 * (1/2)^5; 1 of 6 -> 2 * 7/64; 3 of 6 -> 1
     assert sign_test(0, 5) == pytest.approx(2 / 32)
@@ -150,7 +144,8 @@ def test_paired_retrieval_counts_and_sign_test_by_hand():
 def test_gradient_noise_scale_recovers_a_known_signal_and_noise():
     import numpy as np
     import pytest
-    from gradient_noise import noise_scale
+
+    from experiments.gradient_noise.gradient_noise import noise_scale
 
     # per-example gradients g = mu + noise, noise ~ N(0, sigma^2 I) in d dims: |G|^2 = |mu|^2,
     # tr(S) = d sigma^2, B_noise = d sigma^2 / |mu|^2 = 200 * 4 / 8 = 100
@@ -174,7 +169,8 @@ def test_gradient_noise_scale_recovers_a_known_signal_and_noise():
 def test_gradient_noise_jackknife_error_matches_the_spread_over_repeats():
     import numpy as np
     import pytest
-    from gradient_noise import jackknife, noise_scale
+
+    from experiments.gradient_noise.gradient_noise import jackknife, noise_scale
 
     d, sigma, b, count = 200, 2.0, 16, 32
     mu = np.full(d, np.sqrt(8.0 / d))
@@ -191,16 +187,17 @@ def test_gradient_noise_jackknife_error_matches_the_spread_over_repeats():
 
 
 def test_gpu_reader_pack_round_trips_batches_weights_and_embedders(tmp_path):
-    """bench/gpu_minilm_reader.py moves a run between machines: the batches come back equal
-    (ids narrowed to uint8/uint16 only where exact, -1 ids kept), bfloat16 bits widen to
-    ml_dtypes' own cast, and the returned embedders, unpacked as a checkpoint workdir, are
+    """experiments/minilm_reader_gpu/gpu_minilm_reader.py moves a run between machines: the batches
+    come back equal (ids narrowed to uint8/uint16 only where exact, -1 ids kept), bfloat16 bits
+    widen to ml_dtypes' own cast, and the returned embedders, unpacked as a checkpoint workdir, are
     what the ICT warm start (model.init_embedders_from_ict) restores."""
     import json
 
     import ml_dtypes
     import numpy as np
     from flax import linen as nn
-    from gpu_minilm_reader import (
+
+    from experiments.minilm_reader_gpu.gpu_minilm_reader import (
         WORD,
         _bf16_bits,
         _flat,
@@ -209,7 +206,6 @@ def test_gpu_reader_pack_round_trips_batches_weights_and_embedders(tmp_path):
         _save_batches,
         main,
     )
-
     from realm_jax.config import load_config
     from realm_jax.model.bert import ModelConfig
     from realm_jax.model.inputs import dummy_input

@@ -1,7 +1,7 @@
-"""The release's block corpus without TensorFlow: TFRecord files (data/tfrecord.py), ORQA's
-blocks.tfr + titles.tfr and HF's block_records.npy (data/block_records.py), and a prepared
+"""The release's block corpus without TensorFlow: TFRecord files (interop/tfrecord.py), ORQA's
+blocks.tfr + titles.tfr and HF's block_records.npy (interop/block_records.py), and a prepared
 corpus whose block i is record i. Fixtures: tests/fixtures/release/, written by TensorFlow's
-TFRecordWriter and numpy's np.save (bench/make_release_fixtures.py)."""
+TFRecordWriter and numpy's np.save (tests/fixtures/release/make_fixtures.py)."""
 
 import collections
 import gzip
@@ -15,10 +15,10 @@ import pytest
 
 from realm_jax import tokenization as tk
 from realm_jax.config import load_config
-from realm_jax.data import block_records as br
+from realm_jax.data import datasets, local_prepare, records, release_blocks
 from realm_jax.data import prepare as P
-from realm_jax.data import prepared
-from realm_jax.data import tfrecord as tr
+from realm_jax.interop import block_records as br
+from realm_jax.interop import tfrecord as tr
 from tests.conftest import REPO
 
 FIX = os.path.join(REPO, "tests", "fixtures", "release")
@@ -171,7 +171,7 @@ def test_prepare_from_release_blocks_keeps_record_order(tmp_path):
     ddir = str(tmp_path / "prepared")
     summary = P.prepare(cfg, ddir)
     assert summary["counts"]["blocks"] == 20 and summary["counts"]["truncated_blocks"] == 1
-    src = prepared.blocks_source(ddir)
+    src = datasets.blocks_source(ddir)
     assert len(src) == 20
     for i, rec in enumerate(src.__getitems__(range(20))):
         title, text = WRITTEN["titles"][i], WRITTEN["texts"][i]
@@ -186,7 +186,7 @@ def test_prepare_from_release_blocks_keeps_record_order(tmp_path):
     tr.write_records(str(tmp_path / "titles.tfr"), ["x"] * 20)
     assert P.fingerprint(cfg.data) != summary["fingerprint"]
     cfg.data.engine = "beam"
-    with pytest.raises(prepared.PrepareError, match="in process"):
+    with pytest.raises(datasets.PrepareError, match="in process"):
         P.choose_engine(cfg.data)
 
 
@@ -212,8 +212,8 @@ def _arrays_equal(got: dict, want: dict) -> None:
 def test_streamed_release_prepare_equals_the_in_memory_build(tmp_path):
     """prepare streams release block records in chunks (data/release_prepare.py) into shards
     of its own writer (data/shards.py): the datasets, ids and counts equal the in-memory build
-    of the same corpus (block_records.release_blocks + prepare.build_examples), with chunks and
-    shards cut mid-article."""
+    of the same corpus (release_blocks.release_blocks + local_prepare.build_examples), with
+    chunks and shards cut mid-article."""
     corpus = _release_corpus(tmp_path)
     over = [
         f"data.corpus={corpus}",
@@ -226,22 +226,22 @@ def test_streamed_release_prepare_equals_the_in_memory_build(tmp_path):
     ddir = str(tmp_path / "prepared")
     summary = P.prepare(cfg, ddir)
     stats = collections.Counter()
-    blocks = br.release_blocks(cfg.data, stats)
-    records, eval_records, mode = P.build_examples(cfg.data, blocks, stats)
-    stats["examples"], stats["eval_examples"] = len(records), len(eval_records)
+    blocks = release_blocks.release_blocks(cfg.data, stats)
+    train, eval_records, mode = local_prepare.build_examples(cfg.data, blocks, stats)
+    stats["examples"], stats["eval_examples"] = len(train), len(eval_records)
     assert mode == summary["masking"] == "random"
-    assert records and eval_records  # both splits are exercised
+    assert train and eval_records  # both splits are exercised
     for key in ("documents", "blocks", "sentences", "examples", "eval_examples"):
         assert summary["counts"][key] == stats[key], key
     for key in ("salient_spans", "truncated_blocks", "skipped_short_sentence"):
         assert summary["counts"].get(key, 0) == stats[key], key
     assert summary["counts"]["blocks"] == 60 and summary["counts"]["documents"] > 3
-    src = prepared.blocks_source(ddir)
+    src = datasets.blocks_source(ddir)
     assert len(src) == 60
     for b, got in zip(blocks, src.__getitems__(range(60)), strict=True):
-        _arrays_equal(got, P.block_record(b))
-    for split, want in (("train", records), ("eval", eval_records)):
-        got = prepared.examples_source(ddir, split)
+        _arrays_equal(got, records.block_record(b))
+    for split, want in (("train", train), ("eval", eval_records)):
+        got = datasets.examples_source(ddir, split)
         assert len(got) == len(want)
         for g, w in zip(got.__getitems__(range(len(want))), want, strict=True):
             _arrays_equal(g, w)
@@ -265,8 +265,8 @@ def test_streamed_release_prepare_stops_cleanly_at_a_corrupt_record(tmp_path):
         P.prepare(cfg, ddir, overwrite=True)
     assert [n for n in os.listdir(ddir) if n.startswith(".prepare-tmp")] == []
     # the build failed before publishing: the previous datasets and their summary stand
-    assert prepared.read_summary(ddir)["fingerprint"] == first["fingerprint"]
-    assert len(prepared.blocks_source(ddir)) == 60
+    assert datasets.read_summary(ddir)["fingerprint"] == first["fingerprint"]
+    assert len(datasets.blocks_source(ddir)) == 60
 
 
 def test_release_blocks_with_a_separate_pretraining_text(tmp_path):
@@ -284,7 +284,7 @@ def test_release_blocks_with_a_separate_pretraining_text(tmp_path):
     ddir = str(tmp_path / "prepared")
     summary = P.prepare(cfg, ddir)
     assert summary["counts"]["blocks"] == 20 and summary["counts"]["examples"] > 0
-    ex = prepared.examples_source(ddir, "train")
+    ex = datasets.examples_source(ddir, "train")
     assert {int(r["block_id"]) for r in ex.__getitems__(range(len(ex)))} == {-1}
     assert {r["doc_id"].decode() for r in ex.__getitems__(range(len(ex)))} <= {
         x["id"] for x in lines

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from realm_jax import tokenization as tk
-from realm_jax.data import corpus, masking, prepared
+from realm_jax.data import corpus, datasets, local_prepare, masking
 from realm_jax.data import prepare as P
 from tests.conftest import shared_path
 from tests.support.runs import SAMPLE
@@ -111,8 +111,8 @@ def test_gz_inputs_read_as_their_uncompressed_twins(tmp_path):
         got = list(corpus.read_documents(gz))
         assert got == list(corpus.read_documents(plain)) and len(got) == 40
         assert got[3][0] == "c:4"
-        assert P._count_lines(gz) == P._count_lines(plain) == 40
-        assert P._count_lines(gz, limit=10) == 10
+        assert corpus.count_lines(gz) == corpus.count_lines(plain) == 40
+        assert corpus.count_lines(gz, limit=10) == 10
     txt = b"T1\tFirst text.\nid2\tT2\tSecond text.\n"
     want = [("t:1", "T1", "First text."), ("id2", "T2", "Second text.")]
     assert list(corpus.read_documents(_gz(tmp_path / "t.txt.gz", txt))) == want
@@ -156,7 +156,8 @@ def test_gz_bad_input_names_file_and_line(tmp_path):
 
 # ----------------------------------------------------------------------------------- blocking
 def _blocks(path, block_len):
-    return P.build_blocks(_config(path, f"data.block_len={block_len}").data, collections.Counter())
+    data = _config(path, f"data.block_len={block_len}").data
+    return local_prepare.build_blocks(data, collections.Counter())
 
 
 @pytest.fixture(scope="module")
@@ -263,26 +264,26 @@ def test_prepare_idempotent_and_fingerprint_mismatch(tmp_path, tiny_corpus, caps
     d = str(tmp_path / "data")
     s = P.prepare(cfg, d)
     assert s["counts"]["documents"] == 12 and s["counts"]["examples"] > 12
-    ids, doc_ids, titles = prepared.load_blocks(d)
+    ids, doc_ids, titles = datasets.load_blocks(d)
     assert ids.shape == (s["counts"]["blocks"], 128) and ids.dtype == np.int32
     assert doc_ids[0] == "train/2008_Sichuan_earthquake/0"
-    title, text = prepared.block_text(d, 0)
+    title, text = datasets.block_text(d, 0)
     assert title == titles[0] and text.startswith("The 2008 Sichuan earthquake")
-    ex = prepared.examples_source(d)[0]
+    ex = datasets.examples_source(d)[0]
     assert ex["token_ids"][0] == tk.CLS_ID and ex["span_labels"] == b"RANDOM"
     capsys.readouterr()
     assert P.prepare(cfg, d) == s
     assert "reusing" in capsys.readouterr().out
     other = _config(tiny_corpus, "data.masking=random", "data.query_len=32")
-    with pytest.raises(prepared.PrepareError, match="--overwrite"):
+    with pytest.raises(datasets.PrepareError, match="--overwrite"):
         P.prepare(other, d)
     assert P.prepare(other, d, overwrite=True)["fingerprint"] != s["fingerprint"]
 
 
 def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
     d = str(tmp_path / "data")
-    with pytest.raises(prepared.PrepareError, match="no prepared data"):
-        prepared.load_blocks(d)
+    with pytest.raises(datasets.PrepareError, match="no prepared data"):
+        datasets.load_blocks(d)
 
     def crash(*a, **k):
         raise KeyboardInterrupt("killed")
@@ -293,11 +294,11 @@ def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
     assert any(n.startswith(".prepare-tmp-") for n in os.listdir(d))
     assert not os.path.exists(os.path.join(d, "blocks"))
     for loader in (
-        prepared.load_blocks,
-        prepared.examples_source,
-        lambda x: prepared.block_text(x, 0),
+        datasets.load_blocks,
+        datasets.examples_source,
+        lambda x: datasets.block_text(x, 0),
     ):
-        with pytest.raises(prepared.PrepareError, match="incomplete"):
+        with pytest.raises(datasets.PrepareError, match="incomplete"):
             loader(d)
     monkeypatch.undo()  # a rerun cleans up and completes
     P.prepare(_config(tiny_corpus, "data.masking=random"), d)
@@ -306,7 +307,7 @@ def test_partial_prepare_is_refused(tmp_path, tiny_corpus, monkeypatch):
         ["blocks", "examples", "summary.json"],
         ["blocks", "eval_examples", "examples", "summary.json"],
     )
-    assert prepared.load_blocks(d)[0].shape[0] > 0
+    assert datasets.load_blocks(d)[0].shape[0] > 0
 
 
 def test_prepare_squad_head_with_ner(tmp_path):
@@ -318,7 +319,7 @@ def test_prepare_squad_head_with_ner(tmp_path):
     c = s["counts"]
     assert c["documents"] == 200 and c["blocks"] >= 200 and c["examples"] > 400
     if s["masking"] == "salient":
-        src = prepared.examples_source(d)
+        src = datasets.examples_source(d)
         labels = {lab for i in range(200) for lab in src[i]["span_labels"].split(b",")}
         assert b"DATE" in labels and len(labels) > 3
         # every usable span is kept (the pipeline draws one per epoch)

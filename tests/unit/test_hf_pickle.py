@@ -1,10 +1,10 @@
 """HuggingFace REALM checkpoints in PyTorch's pickle format, read without torch.
 
 tests/fixtures/hf_realm/ was written by transformers 4.57.6 and torch 2.13.0
-(bench/make_hf_fixtures.py): every REALM class saved with save_pretrained(safe_serialization=
-False), in float32, float16 and bfloat16, and their outputs on fixed inputs. Each imported
-network must compute HF's outputs (1e-4; 1e-6 relative above 10). A pickle that names any
-callable other than the tensor rebuilds is refused before anything runs.
+(tests/fixtures/hf_realm/make_fixtures.py): every REALM class saved with
+save_pretrained(safe_serialization= False), in float32, float16 and bfloat16, and their outputs on
+fixed inputs. Each imported network must compute HF's outputs (1e-4; 1e-6 relative above 10). A
+pickle that names any callable other than the tensor rebuilds is refused before anything runs.
 """
 
 import io
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax.model import hf_import as weights
-from realm_jax.model import safe_pickle
+from realm_jax.interop import hf_import as weights
+from realm_jax.interop import safe_pickle
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import Embedder, Reader
 from tests.conftest import REPO

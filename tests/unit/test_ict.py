@@ -14,7 +14,7 @@ from realm_jax import tokenization as tk
 from realm_jax import workdir as paths
 from realm_jax.config import load_config
 from realm_jax.data import ict as ict_data
-from realm_jax.ict import command as ict_command
+from realm_jax.ict import commands as ict_commands
 from realm_jax.ict import step as ict_step
 from realm_jax.train import warm_start
 from tests.conftest import REPO
@@ -125,7 +125,7 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
     model.init_embedders_from_ict loads exactly the ICT checkpoint's embedders."""
     from realm_jax import checkpoint
     from realm_jax.data import prepare
-    from realm_jax.pretrain import step as train_step
+    from realm_jax.pretrain import step as pretrain_step
 
     work = str(tmp_path / "ict")
     sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
@@ -142,7 +142,7 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
         "model.embedder.max_position_embeddings=64",
     )
     prepare.prepare(config, paths.data_dir(config, work))
-    history = ict_command.train(config, work)
+    history = ict_commands.train(config, work)
     evals = [h for h in history if "eval/recall@5" in h]
     assert [h["step"] for h in evals] == [0, 4]
     assert 0 <= evals[-1]["eval/recall@5"] <= 1 and "eval/bm25_recall@5" in evals[-1]
@@ -160,7 +160,7 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
     more = copy.deepcopy(config)
     more.unlock()
     more.train.steps, more.train.checkpoint_every, more.train.eval_every = 8, 1, 0
-    ict_command.train(more, work, stop_event=stop)
+    ict_commands.train(more, work, stop_event=stop)
     assert ckpt.manager(work, with_data=False, read_only=True).latest_step() == 5
 
     realm = load_config(
@@ -170,7 +170,7 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
         + ["model.reader.max_position_embeddings=128"],
     )
     mesh = sharding.make_mesh(realm.mesh)
-    _, _, state, _ = train_step.create_state(
+    _, _, state, _ = pretrain_step.create_state(
         realm, mesh, jax.random.key(1), warm_start.params_hook(realm)
     )
     mgr = checkpoint.manager(work, with_data=False, read_only=True)

@@ -1,26 +1,43 @@
 """The package's rooms (../shared/DESIGN.md "Layout"): imports go from a room only to rooms
-below it in LAYERS (toward the foundations), and no task imports another."""
+below it in LAYERS (toward the foundations), no task imports another, and no module imports
+itself back through others (no import cycle, lazy imports inside functions included).
 
+interop/ (foreign formats) sits BELOW data/ and model/: its readers and writers (protobuf wire,
+TFRecord, TF1 checkpoints, torch pickles, HF folders, the release's block records, REALM's
+annotated shards) need only the foundations, and data/ reads the release's block records and
+REALM's shards as corpus sources, train/ reads HF folders (warm start). Its import/export
+command is the exception: it builds models, checkpoints and indexes, so interop/commands.py is a
+room of its own at the entry-point layer (SUBROOMS). The error every corpus reader raises,
+CorpusError, lives in the foundations (corpus_errors.py) for the same reason: the readers of
+interop/ cannot import data/corpus.py.
+"""
+
+import ast
 import os
 
 from tests.conftest import REPO
-from tests.support.source import package_imports
 
 PKG = os.path.join(REPO, "realm_jax")
 # Lowest first. A module may import its own room and any room of a lower layer.
 LAYERS = [
     {"config", "fs", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"}
-    | {"protowire"},
+    | {"corpus_errors"},
+    {"interop"},  # foreign formats in and out: bytes and arrays, no model, no corpus
     {"data", "model", "ops"},
     {"index"},
     {"train"},
     {"pretrain", "ict", "qa"},  # the tasks
-    {"cli", "__main__", "sweep", "plan", "interop"},  # entry points (cli names commands as strings)
+    {"cli", "__main__", "sweep", "plan", "interop.commands"},  # entry points (cli: strings)
 ]
-TASKS = LAYERS[4]
+TASKS = LAYERS[5]
+# Modules that are a room of their own inside another room's folder (module -> room).
+SUBROOMS = {"realm_jax.interop.commands": "interop.commands"}
 
 
 def _room(module: str) -> str:
+    for prefix, room in SUBROOMS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return room
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -41,6 +58,27 @@ def _modules():
                 yield rel.removesuffix(".__init__"), path
 
 
+def _is_module(name: str) -> bool:
+    path = os.path.join(os.path.dirname(PKG), *name.split("."))
+    return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
+
+
+def module_imports(path: str) -> set[str]:
+    """The realm_jax modules a file imports, anywhere in it (functions included), with
+    `from realm_jax.x import y` read as the module realm_jax.x.y when y is one."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("realm_jax"):
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            found = {s for s in subs if _is_module(s)}
+            out |= found
+            if len(found) < len(subs):  # names defined in node.module itself
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("realm_jax")}
+    return out
+
+
 def violations(module: str, imports: set[str]) -> list[str]:
     room, bad = _room(module), []
     for imp in sorted(imports):
@@ -56,13 +94,57 @@ def violations(module: str, imports: set[str]) -> list[str]:
     return bad
 
 
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import cycle per strongly connected group of modules (Tarjan), as a path."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph.get(v, ()):
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_every_module_has_a_room_and_imports_point_down():
-    bad = [v for module, path in _modules() for v in violations(module, package_imports(path))]
+    bad = [v for module, path in _modules() for v in violations(module, module_imports(path))]
     assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = {module: module_imports(path) - {module} for module, path in _modules()}
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_the_rule_catches_bad_imports():
     assert violations("realm_jax.index.feed", {"realm_jax.pretrain.step"})  # upward
     assert violations("realm_jax.ict.step", {"realm_jax.pretrain.losses"})  # task -> task
     assert violations("realm_jax.model.realm", {"realm_jax.ops.mips"})  # sibling rooms
-    assert not violations("realm_jax.pretrain.step", {"realm_jax.index.corpus"})
+    assert violations("realm_jax.interop.hf_import", {"realm_jax.model.bert"})  # formats: low
+    assert violations("realm_jax.data.prepare", {"realm_jax.interop.commands"})  # the command
+    assert not violations("realm_jax.pretrain.step", {"realm_jax.index.embedding"})
+    assert not violations("realm_jax.data.prepare", {"realm_jax.interop.block_records"})
+    assert not violations("realm_jax.interop.commands", {"realm_jax.index.store"})
+    assert not violations("realm_jax.interop.commands", {"realm_jax.interop.hf_import"})
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not cycles({"a": {"b"}, "b": {"c"}, "d": {"a"}})

@@ -9,10 +9,10 @@ import pytest
 
 from realm_jax import tokenization as tk
 from realm_jax.config import CHOICES, ConfigError, load_config, validate
+from realm_jax.data import datasets
 from realm_jax.data import masking as M
 from realm_jax.data import pipeline as PL
 from realm_jax.data import prepare as P
-from realm_jax.data import prepared as prepared_lib
 from tests.conftest import REPO
 
 SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
@@ -271,7 +271,7 @@ def prepared(tmp_path_factory):
 
 
 def _originals(data_dir: str, split: str, query_len: int) -> dict[int, np.ndarray]:
-    src = prepared_lib.examples_source(data_dir, split)
+    src = datasets.examples_source(data_dir, split)
     return {int(r["example_id"]): tk.pad_to(r["token_ids"], query_len) for r in src}
 
 
@@ -301,7 +301,7 @@ def test_eval_batches_use_the_runs_mask_mode(prepared):
     cfg = load_config(SPEC, [*ov, "data.mask_mode=uniform"])
     m = cfg.data.max_predictions
     originals = _originals(d, "eval", cfg.data.query_len)
-    src = prepared_lib.examples_source(d, "eval")
+    src = datasets.examples_source(d, "eval")
     batches = PL.eval_batches(cfg, d, batch_size=4, max_examples=0)
     assert batches
     for j, b in enumerate(PL.eval_batches(cfg, d, batch_size=4, max_examples=0)):

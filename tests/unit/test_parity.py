@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax.model import hf_import as weights
+from realm_jax.interop import hf_import as weights
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import Embedder, Reader
 from realm_jax.pretrain import losses

@@ -15,9 +15,9 @@ from etils import epath
 from realm_jax import checkpoint
 from realm_jax import tokenization as tk
 from realm_jax.config import load_config
+from realm_jax.data import datasets
 from realm_jax.data import pipeline as PL
 from realm_jax.data import prepare as P
-from realm_jax.data import prepared as prepared_lib
 from tests.conftest import REPO
 
 SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
@@ -86,7 +86,7 @@ def test_sharding_by_process(prepared, monkeypatch):
     side are the one-process batches, for 2 and 4 processes."""
     d, ov = prepared
     cfg = load_config(SPEC, ov)
-    n = len(prepared_lib.examples_source(d))
+    n = len(datasets.examples_source(d))
     want = list(PL.train_loader(cfg, d, global_batch_size=B, seed=0, num_epochs=1))
     assert len(want) == n // B
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -108,7 +108,7 @@ def test_one_process_order_is_grain_index_samplers(prepared):
     checkpoints keep their data order."""
     d, ov = prepared
     cfg = load_config(SPEC, ov)
-    source = prepared_lib.examples_source(d)
+    source = datasets.examples_source(d)
     n_batches = 2 * len(source) // B + 1
     _, got = _batches(cfg, d, n_batches, seed=3)
     it = iter(_legacy_loader(cfg, source, seed=3))
@@ -179,7 +179,7 @@ def test_legacy_one_process_checkpoint_resumes_exactly(prepared, tmp_path):
     the manager then saves with the new handler."""
     d, ov = prepared
     cfg = load_config(SPEC, ov)
-    legacy = iter(_legacy_loader(cfg, prepared_lib.examples_source(d), seed=0))
+    legacy = iter(_legacy_loader(cfg, datasets.examples_source(d), seed=0))
     [next(legacy) for _ in range(3)]
     mngr = ocp.CheckpointManager(str(tmp_path), item_names=("data_iter",))
     mngr.save(3, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(legacy)))

@@ -1,4 +1,4 @@
-"""REALM's pre-training shards (data/realm_records.py): the tf.train.Example decoder, the GZIP
+"""REALM's pre-training shards (interop/realm_records.py): the tf.train.Example decoder, the GZIP
 TFRecord reading, and prepare taking their sentences and annotated salient spans (no NER)."""
 
 import collections
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from realm_jax.config import load_config
-from realm_jax.data import masking, prepared, realm_records, tfrecord
+from realm_jax.data import datasets, local_prepare, masking
 from realm_jax.data import prepare as P
+from realm_jax.interop import realm_records, tfrecord
 from tests.conftest import REPO
 
 SAMPLE = os.path.join(REPO, "data", "sample", "corpus.jsonl")
@@ -310,7 +311,7 @@ def test_prepare_takes_sentences_and_spans_from_the_shards(tmp_path, shards, cor
     assert c["sentences"] == 6 and c["skipped_no_span"] == 1 and c["examples"] == 5
     assert c["sentences_documents"] == 2 and c["sentences_skipped_span_across_sentences"] == 1
     assert c["salient_spans"] == 11
-    src = prepared.examples_source(d)
+    src = datasets.examples_source(d)
     got = []
     for i in range(len(src)):
         r = src[i]
@@ -325,7 +326,8 @@ def test_prepare_takes_sentences_and_spans_from_the_shards(tmp_path, shards, cor
 
 
 def test_random_masking_ignores_the_spans(tmp_path, shards, corpus, no_ner):
-    texts, _, _, _, given = P._sentences(_config(corpus, shards).data, [], collections.Counter())
+    data = _config(corpus, shards).data
+    texts, _, _, _, given = local_prepare.pretraining_sentences(data, [], collections.Counter())
     assert len(texts) == len(given) == 6
     s = P.prepare(_config(corpus, shards, "data.masking=random"), str(tmp_path / "d"))
     assert s["masking"] == "random" and s["counts"]["examples"] == 6
@@ -335,7 +337,7 @@ def test_beam_refuses_the_shards_in_one_line(shards, corpus):
     for over in (["data.engine=beam"], []):
         cfg = _config(corpus, shards, *over)
         runner = "" if over else "DirectRunner"
-        with pytest.raises(prepared.PrepareError, match="in process") as e:
+        with pytest.raises(datasets.PrepareError, match="in process") as e:
             P.choose_engine(cfg.data, runner)
         assert "\n" not in str(e.value)
     assert P.choose_engine(_config(corpus, shards).data) == "local"

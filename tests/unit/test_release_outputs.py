@@ -4,11 +4,12 @@ ORQA's losses and best span, to 1e-4 (max abs difference).
 
 tests/fixtures/release/reference/outputs.npz is the independent reference: transformers'
 REALM (torch) with each fixture checkpoint loaded by transformers' own load_tf_weights_in_realm
-through TensorFlow, on the fixed inputs stored beside the outputs (bench/make_release_outputs.py,
-run in the side venv .venv-tfpeer; outputs.json says what each array is and the versions).
-This side reads the same checkpoints as `realm-jax import` does (interop.read_source: no
-TensorFlow, no torch) and runs realm-jax's own forward functions: the embedder, `ask`'s
-query embedding and brute-force top-k, the reader's MLM and span heads, ORQA's losses.
+through TensorFlow, on the fixed inputs stored beside the outputs
+(tests/fixtures/release/reference/make_outputs.py, run in the side venv .venv-tfpeer; outputs.json
+says what each array is and the versions). This side reads the same checkpoints as `realm-jax
+import` does (interop.read_source: no TensorFlow, no torch) and runs realm-jax's own forward
+functions: the embedder, `ask`'s query embedding and brute-force top-k, the reader's MLM and span
+heads, ORQA's losses.
 
 The reference for bert/ comes from a copy without BERT's next-sentence head: transformers'
 loader cannot load that checkpoint as it stands (outputs.json, "load_failures"; the script's
@@ -22,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax import interop
 from realm_jax.config import load_config
-from realm_jax.index.corpus import embed_query_tokens
+from realm_jax.index.embedding import embed_query_tokens
+from realm_jax.interop import commands as interop
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.realm import Embedder, Reader, realm_model
 from realm_jax.ops import mips
@@ -39,7 +40,8 @@ NEG = -1e30  # spans outside the block score float32's minimum on both sides
 
 
 def _overrides() -> list[str]:
-    """The fixtures' architecture (bench/make_release_outputs.py's RealmConfig)."""
+    """The fixtures' architecture (the RealmConfig of
+    tests/fixtures/release/reference/make_outputs.py)."""
     out = [
         "model.vocab_size=100",
         "model.proj_size=12",
@@ -64,8 +66,8 @@ def _overrides() -> list[str]:
 def ref():
     if not os.path.exists(REF):
         pytest.skip(
-            f"needs {REF}: run bench/make_release_outputs.py in .venv-tfpeer (its docstring "
-            "says how to build that venv)"
+            f"needs {REF}: run tests/fixtures/release/reference/make_outputs.py in .venv-tfpeer "
+            "(its docstring says how to build that venv)"
         )
     with np.load(REF) as z:
         return {k: z[k] for k in z.files}

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from realm_jax import sharding
-from realm_jax.index import corpus
-from realm_jax.model import hf_import as weights
+from realm_jax.index import embedding
+from realm_jax.interop import hf_import as weights
 from realm_jax.model import inputs
-from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain import step as pretrain_step
 from realm_jax.train import warm_start
 from tests.conftest import shared_path
 from tests.support.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
@@ -40,7 +40,7 @@ def imported():
         f"model.init_reader_from={reader}",
     )
     mesh = sharding.make_mesh(config.mesh)
-    model, optimizer, state, shardings = train_step.create_state(
+    model, optimizer, state, shardings = pretrain_step.create_state(
         config, mesh, jax.random.key(0), warm_start.params_hook(config)
     )
     return config, mesh, model, optimizer, state, shardings, embedder, reader
@@ -64,9 +64,9 @@ def test_each_network_imports_its_own_folder(imported):
 def test_separate_architectures_train(imported):
     config, mesh, model, optimizer, state, shardings, _, _ = imported
     emb, tokens = synthetic_index(config)
-    e, t = corpus.pad_index(emb, tokens, mesh)
+    e, t = embedding.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
-    step = train_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
+    step = pretrain_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
     batch = sharding.global_batch(synthetic_batch(config), mesh)
     state, m1 = step(state, batch, *index, jnp.int32(0))
     _, m2 = step(state, batch, *index, jnp.int32(0))
@@ -85,7 +85,7 @@ def test_architecture_mismatch_names_the_field():
     )
     mesh = sharding.make_mesh(config.mesh)
     with pytest.raises(weights.WeightImportError, match="config.model.reader: hidden_act"):
-        train_step.create_state(config, mesh, jax.random.key(0), warm_start.params_hook(config))
+        pretrain_step.create_state(config, mesh, jax.random.key(0), warm_start.params_hook(config))
 
 
 def test_vocab_must_match_between_networks():

@@ -1,7 +1,7 @@
-"""The release's TF1 checkpoints without TensorFlow (model/tf_checkpoint.py) and their
-HuggingFace REALM names (model/release_checkpoint.py), against tests/fixtures/release/: made
-by TensorFlow's own Saver, with the values TensorFlow reads back (bench/make_release_fixtures.py
-rebuilds them in a side venv)."""
+"""The release's TF1 checkpoints without TensorFlow (interop/tf_checkpoint.py) and their
+HuggingFace REALM names (interop/release_checkpoint.py), against tests/fixtures/release/: made
+by TensorFlow's own Saver, with the values TensorFlow reads back
+(tests/fixtures/release/make_fixtures.py rebuilds them in a side venv)."""
 
 import base64
 import json
@@ -11,8 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from realm_jax.model import release_checkpoint as rc
-from realm_jax.model import tf_checkpoint as tc
+from realm_jax.interop import release_checkpoint as rc
+from realm_jax.interop import tf_checkpoint as tc
 from tests.conftest import REPO
 
 FIX = os.path.join(REPO, "tests", "fixtures", "release")
@@ -356,7 +356,7 @@ def test_config_block_emb_and_split(caplog):
     assert rc.hf_config(kind, state, num_heads=2)["span_hidden_size"] == SPAN
     emb, reader = rc.split_open_qa(state)
     assert set(emb) == set(_embedder_names("")) and set(reader) == set(_reader_names(""))
-    with caplog.at_level("DEBUG", logger="realm_jax.model.release_checkpoint"):
+    with caplog.at_level("DEBUG", logger="realm_jax.interop.release_checkpoint"):
         rc.read_release_checkpoint(os.path.join(FIX, "bert"))
     assert "cls/seq_relationship/output_weights" in caplog.text
 
@@ -371,7 +371,7 @@ def test_unknown_layouts_are_refused():
 def test_gs_paths(tmp_path_factory):
     """The same reads from a gs:// copy of the fixtures (fake-gcs-server, tests/support/)."""
     from realm_jax import fs
-    from realm_jax.data import block_records
+    from realm_jax.interop import block_records
     from tests.support import fake_gcs
 
     with fake_gcs.module_server(tmp_path_factory, "realm-release") as _:

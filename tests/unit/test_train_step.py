@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from realm_jax import sharding, tokenization
-from realm_jax.index import corpus
+from realm_jax.index import embedding
 from realm_jax.model import inputs
 from realm_jax.ops import fused_softmax
 from realm_jax.pretrain import losses
-from realm_jax.pretrain import step as train_step
+from realm_jax.pretrain import step as pretrain_step
 from tests.conftest import REPO
 from tests.support.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
 
@@ -24,9 +24,9 @@ from tests.support.realm_fixtures import synthetic_batch, synthetic_index, tiny_
 def setup():
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
-    model, optimizer, state, shardings = train_step.create_state(config, mesh, jax.random.key(0))
+    model, optimizer, state, shardings = pretrain_step.create_state(config, mesh, jax.random.key(0))
     emb, tokens = synthetic_index(config)
-    e, t = corpus.pad_index(emb, tokens, mesh)
+    e, t = embedding.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
     batch = synthetic_batch(config)
     return config, mesh, model, optimizer, state, shardings, emb, tokens, index, batch
@@ -45,7 +45,7 @@ def test_retrieval_matches_numpy_and_excludes_own_block(setup):
     config, mesh, model, _, state, _, emb, tokens, index, batch = setup
     fn = jax.jit(
         functools.partial(
-            train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+            pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
         )
     )
     q_emb, relevance, cands, ids = fn(state.params, sharding.global_batch(batch, mesh), *index)
@@ -72,7 +72,7 @@ def test_shard_map_search_scores_match_numpy():
     rng = np.random.default_rng(3)
     emb = rng.normal(size=(1001, 16)).astype(np.float32)
     tok = rng.integers(1, 50, size=(1001, 4)).astype(np.int32)
-    e, t = corpus.pad_index(emb, tok, mesh)
+    e, t = embedding.pad_index(emb, tok, mesh)
     q = rng.normal(size=(8, 16)).astype(np.float32)
     ex = np.array([-1, 0, 5, 1000, 17, -1, 3, 2], np.int32)
     vals, ids, got_tok = jax.jit(
@@ -116,7 +116,7 @@ def test_null_document_input_and_score_match_the_release(setup):
     np.testing.assert_array_equal(mask, [1, 1, 1, 1, 1, 0, 0])
 
     fn = functools.partial(
-        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
     )
     q_emb, relevance, _, _ = jax.jit(fn)(state.params, sharding.global_batch(batch, mesh), *index)
     lb = config.data.block_len
@@ -170,7 +170,7 @@ def test_retriever_learns_when_every_retrieved_score_is_negative(setup):
     gradient was exactly 0. Scored by the live document embedder, it is one candidate among
     equals and both embedders get a gradient."""
     config, mesh, model, optimizer, _, shardings, emb, _, index, batch = setup
-    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
     params = jax.device_get(state.params)
     d = config.model.proj_size
     c = np.full((d,), 10.0 / np.sqrt(d), np.float32)  # |c|^2 = 100
@@ -180,13 +180,13 @@ def test_retriever_learns_when_every_retrieved_score_is_negative(setup):
         ln["bias"] = sign * c
     gb = sharding.global_batch(batch, mesh)
     fn = functools.partial(
-        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
     )
     _, relevance, _, _ = jax.jit(fn)(params, gb, *index)
     relevance = np.asarray(relevance)
     assert (relevance < -50).all(), relevance
     state = state.replace(params=jax.device_put(params, shardings.params))
-    step = train_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
+    step = pretrain_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
     _, metrics = step(state, gb, *index, jnp.int32(0))
     metrics = jax.device_get(metrics)
     assert metrics["null_doc_prob"] < 0.9
@@ -312,7 +312,7 @@ def test_dropout_keeps_the_rate_and_is_unbiased():
 def step8(setup):
     """One compiled train step on the 8-device mesh (compiled once for the module)."""
     config, mesh, model, optimizer, state, shardings, emb, _, index, batch = setup
-    fn = train_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
+    fn = pretrain_step.compile_train_step(config, mesh, model, optimizer, shardings, len(emb))
     _, metrics = fn(state, sharding.global_batch(batch, mesh), *index, jnp.int32(0))
     return jax.device_get(metrics)
 
@@ -326,10 +326,10 @@ def test_gradients_reach_all_networks(step8):
 def test_materialised_logits_path_matches_the_fused_step(setup, step8):
     """train.mlm_vocab_chunk=-1 (dense [B, K, P, V] logits) gives the step's loss and metrics."""
     config, mesh, model, _, _, _, emb, _, index, batch = setup
-    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # step8 donated it
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))  # step8 donated it
     dense = tiny_config("train.mlm_vocab_chunk=-1")
     metrics = jax.device_get(
-        train_step.compile_loss(dense, mesh, model, len(emb))(
+        pretrain_step.compile_loss(dense, mesh, model, len(emb))(
             state.params, sharding.global_batch(batch, mesh), *index
         )
     )
@@ -344,12 +344,12 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
     from realm_jax.model.realm import RealmModel, tied_decoder_logits
 
     config, mesh, model, _, _, _, emb, _, index, batch = setup
-    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # step8 donates
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))  # step8 donates
     gb = sharding.global_batch(batch, mesh)
     K, length = config.train.num_candidates, inputs.joint_len(config)
 
     def reference(params, batch, *index):
-        _, relevance, cands, _ = train_step.retrieve(
+        _, relevance, cands, _ = pretrain_step.retrieve(
             params, batch, *index, model=model, mesh=mesh, num_candidates=K, num_valid=len(emb)
         )
         B = cands.shape[0]
@@ -373,7 +373,7 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
 
     want = jax.device_get(jax.jit(reference)(state.params, gb, *index))
     got = jax.device_get(
-        train_step.compile_loss(config, mesh, model, len(emb))(state.params, gb, *index)
+        pretrain_step.compile_loss(config, mesh, model, len(emb))(state.params, gb, *index)
     )
     for k in ("loss", "accuracy", "retrieval_utility", "retrieval_entropy"):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -382,9 +382,9 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
 def test_same_loss_on_one_device_and_eight(setup, step8):
     config, _, model, _, _, _, emb, tokens, _, batch = setup
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
-    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
-    e, t = corpus.pad_index(emb, tokens, mesh)
-    loss_fn = train_step.compile_loss(config, mesh, model, len(emb))
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    e, t = embedding.pad_index(emb, tokens, mesh)
+    loss_fn = pretrain_step.compile_loss(config, mesh, model, len(emb))
     metrics = jax.device_get(
         loss_fn(
             state.params,
@@ -405,15 +405,15 @@ def test_gradient_accumulation_gives_the_whole_batch_gradient():
     one, two = tiny_config(*off), tiny_config(*off, "train.grad_accum=2")
     mesh = sharding.make_mesh(one.mesh)
     emb, tokens = synthetic_index(one)
-    e, t = corpus.pad_index(emb, tokens, mesh)
+    e, t = embedding.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
     batch = synthetic_batch(one, seed=4)
     w = batch["mlm_weights"].sum(1)
     assert w[0::2].sum() != w[1::2].sum()  # micro-batch j holds rows j, j + 2, ...
     gb = sharding.global_batch(batch, mesh)
-    model, _, state, _ = train_step.create_state(one, mesh, jax.random.key(0))
+    model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
     loss_fn = functools.partial(
-        train_step.realm_loss,
+        pretrain_step.realm_loss,
         model=model,
         mesh=mesh,
         num_candidates=one.train.num_candidates,
@@ -422,9 +422,9 @@ def test_gradient_accumulation_gives_the_whole_batch_gradient():
         vocab_chunk=one.train.mlm_vocab_chunk,
     )
     want = jax.jit(jax.grad(lambda p: loss_fn(p, gb, *index)[0]))(state.params)
-    got, _ = jax.jit(lambda p: train_step.accumulated_grads(loss_fn, p, gb, *index, 2, mesh, None))(
-        state.params
-    )
+    got, _ = jax.jit(
+        lambda p: pretrain_step.accumulated_grads(loss_fn, p, gb, *index, 2, mesh, None)
+    )(state.params)
     scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(want))
     for path, g in jax.tree_util.tree_leaves_with_path(got):
         ref = functools.reduce(lambda t, k: t[k.key], path, want)
@@ -434,8 +434,8 @@ def test_gradient_accumulation_gives_the_whole_batch_gradient():
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * scale, err_msg=str(path))
     metrics = {}
     for name, config in (("one", one), ("two", two)):
-        model, opt, state, shardings = train_step.create_state(config, mesh, jax.random.key(0))
-        fn = train_step.compile_train_step(config, mesh, model, opt, shardings, len(emb))
+        model, opt, state, shardings = pretrain_step.create_state(config, mesh, jax.random.key(0))
+        fn = pretrain_step.compile_train_step(config, mesh, model, opt, shardings, len(emb))
         new, m = fn(state, gb, *index, jnp.int32(0))
         metrics[name] = jax.device_get((m, new.params))
     (m1, p1), (m2, p2) = metrics["one"], metrics["two"]
@@ -470,7 +470,7 @@ def test_gradient_accumulation_weights_micro_batches_by_their_targets():
     gb = sharding.global_batch(batch, mesh)
     want = jax.grad(lambda p: loss_fn(p, batch, emb, None)[0])(params)["a"]
     grads, m = jax.jit(
-        lambda p, b: train_step.accumulated_grads(loss_fn, p, b, emb, None, 2, mesh, None)
+        lambda p, b: pretrain_step.accumulated_grads(loss_fn, p, b, emb, None, 2, mesh, None)
     )(params, gb)
     np.testing.assert_allclose(grads["a"], want, rtol=1e-5)
     _, whole = loss_fn(params, batch, emb, None)
@@ -495,7 +495,7 @@ def test_two_process_distributed_matches_single_process(step8):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            cwd=os.path.dirname(os.path.dirname(worker)),
+            cwd=REPO,
         )
         for i in range(2)
     ]
@@ -578,7 +578,7 @@ def test_held_out_evaluation_against_numpy(setup):
     from realm_jax.pretrain.evaluation import RealmEvaluator
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
-    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
     titles = [f"t{i % 5}" for i in range(len(emb))]
 
     class Feed:  # the trainer's index, as IndexFeed holds it
@@ -587,7 +587,7 @@ def test_held_out_evaluation_against_numpy(setup):
     Feed.emb, Feed.tokens = index
     params = jax.device_get(state.params)
     retrieve = functools.partial(
-        train_step.retrieve_and_read,
+        pretrain_step.retrieve_and_read,
         model=model,
         mesh=mesh,
         num_candidates=config.train.num_candidates,
@@ -682,12 +682,13 @@ def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
     from the excluding step (each own block is made its query's best match); from that step
     on, it excludes the own block again, as the release does."""
     config, mesh, model, optimizer, _, _, emb, tokens, _, batch = setup
-    _, _, state, _ = train_step.create_state(config, mesh, jax.random.key(0))  # setup's is donated
+    # setup's state is donated
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
     gb = sharding.global_batch(batch, mesh)
     fn = functools.partial(
-        train_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
     )
-    e0, t0 = corpus.pad_index(emb, tokens, mesh)
+    e0, t0 = embedding.pad_index(emb, tokens, mesh)
     q_emb = np.asarray(
         jax.jit(fn)(state.params, gb, *map(lambda a: sharding.put_rows(a, mesh), (e0, t0)))[0]
     )
@@ -698,12 +699,12 @@ def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
             owns[own] = b
             emb[own] = 100 * q_emb[b]  # the own block scores far above every other
     assert owns
-    e, t = corpus.pad_index(emb, tokens, mesh)
+    e, t = embedding.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
 
     run = jax.jit(
         functools.partial(
-            train_step.train_step,
+            pretrain_step.train_step,
             model=model,
             optimizer=optimizer,
             mesh=mesh,

@@ -1,0 +1,40 @@
+"""Write a benchmark's results as a named section of docs/benchmarks.md (other sections kept);
+a study in experiments/ passes its own README as `doc`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+
+DOC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md"
+)
+HEADER = (
+    "# Benchmarks\n\nEvery figure here is written by a script in `benchmarks/`; "
+    "rerun it to refresh its section.\n"
+)
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+
+
+def write_section(name: str, body: str, doc: str = DOC) -> None:
+    """Replace (or append) the section `## name` in docs/benchmarks.md (or `doc`)."""
+    os.makedirs(os.path.dirname(doc), exist_ok=True)
+    if os.path.exists(doc):
+        text = open(doc).read()
+    else:
+        text = HEADER if os.path.abspath(doc) == os.path.abspath(DOC) else ""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    section = f"## {name}\n\n_Measured {stamp} on {machine()}._\n\n{body.strip()}\n\n"
+    pattern = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(doc, "w") as f:
+        f.write(text)
+    print(f"wrote section {name!r} to {doc}")

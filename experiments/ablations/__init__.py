@@ -1,0 +1,1 @@
+"""A study: experiments/ablations/README.md states its question, result, commit and command."""

@@ -1,0 +1,1 @@
+"""A study: experiments/minilm_reader_gpu/README.md states its question, result, commit, command."""
