@@ -5,8 +5,10 @@ Tiers (docs/testing.md): a test's folder is its tier, and its marker is set here
   tests/integration  marker `integration`  the CLI, fake GCS, multi-process jobs, short runs
   tests/system       marker `system`       pod rehearsal, drills, long multi-process runs
   tests/experiments  marker `experiments`  the studies' scripts (experiments/)
-`make check` runs unit, `make test` (CI) unit + integration, `make test-system` and
-`make test-experiments` the rest. Shared helpers live in tests/support/ and here."""
+A test marked `@pytest.mark.system` in another folder (a long variant beside the tests it
+extends) belongs to the system tier. `make check` runs unit, `make test` (CI) unit +
+integration, `make test-system` and `make test-experiments` the rest. Shared helpers live in
+tests/support/ and here."""
 
 import os
 
@@ -57,12 +59,15 @@ TIERS = ("unit", "integration", "system", "experiments")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test with its folder's tier; a test outside the tier folders is an error."""
+    """Mark every test with its folder's tier, unless it is marked `system` itself: a long
+    variant kept beside the tests it extends (one module, one compile) runs in the system tier.
+    A test outside the tier folders is an error."""
     for item in items:
         rel = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).split(os.sep)
         if rel[0] not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/<tier>/, tiers {TIERS}")
-        item.add_marker(getattr(pytest.mark, rel[0]))
+        if not item.get_closest_marker("system"):
+            item.add_marker(getattr(pytest.mark, rel[0]))
 
 
 @pytest.fixture(scope="module")

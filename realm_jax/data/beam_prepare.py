@@ -131,6 +131,11 @@ def supported(data) -> str:
                 f"data.{field}={path}: the Beam path reads .jsonl/.tsv files and their .gz "
                 "(a .txt folder is in-process)"
             )
+        if corpus_lib.is_plain_text(path):  # documents span lines: no line-sized chunks
+            return (
+                f"data.{field}={path}: a plain-text .txt (one sentence a line, documents split "
+                "by blank lines) is prepared in process"
+            )
     return ""
 
 

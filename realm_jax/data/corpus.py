@@ -5,6 +5,12 @@ Accepted inputs (`read_documents(path)`):
                      (a missing id becomes "<file stem>:<line>").
   *.tsv              id<TAB>title<TAB>text, or title<TAB>text (two columns: id = "<stem>:<line>").
                      A first line "id<TAB>title<TAB>text" (or "title<TAB>text") is a header.
+  *.txt              a .txt file whose first non-blank line holds a tab is read as .tsv lines;
+                     any other .txt is plain text as BERT's pre-training data is written: one
+                     sentence a line, a blank line between documents. A document's id and title
+                     are "<stem>:<line of its first sentence>" (plain text has no titles), its
+                     text its lines joined by newlines, and each line is one sentence
+                     (`is_plain_text`; `split_sentences(..., by_line=True)`).
   a folder           every *.txt file in it (sorted, recursively): title = file stem,
                      text = contents, id = path relative to the folder.
   *.jsonl.gz, *.json.gz, *.tsv.gz, *.txt.gz
@@ -62,6 +68,22 @@ def format_name(path: str) -> str:
 def stem(path: str) -> str:
     """The file stem of default document ids ("<stem>:<line>"): corpus.jsonl(.gz) -> corpus."""
     return os.path.splitext(fs.basename(format_name(path)))[0]
+
+
+def is_plain_text(path: str) -> bool:
+    """A .txt (or .txt.gz) file of plain text: its first non-blank line holds no tab (a line
+    with a tab makes it title<TAB>text lines, as before plain text was read). A folder, another
+    format or an unreadable file is not."""
+    if not format_name(path).endswith(".txt") or fs.isdir(path):
+        return False
+    try:
+        with fs.open(path, "rb") as f:
+            for raw in raw_lines(f, path):
+                if raw.strip():
+                    return b"\t" not in raw
+    except OSError:  # UnreadableData too: read_documents reports it where it stops
+        return False
+    return True  # an empty file: no documents either way
 
 
 def raw_lines(f, path: str) -> Iterator[bytes]:
@@ -125,8 +147,9 @@ class DocumentChecker:
         return doc_id, title.strip(), text.strip()
 
 
-def _lines(path: str, r: DocumentChecker) -> Iterator[tuple[int, str]]:
-    """(line number, decoded line) of a file; bad UTF-8 lines are reported per line."""
+def _lines(path: str, r: DocumentChecker, keep_blank: bool = False) -> Iterator[tuple[int, str]]:
+    """(line number, decoded line) of a file; bad UTF-8 lines are reported per line; blank
+    lines are left out unless keep_blank (plain text: they split documents)."""
     try:
         f = fs.open(path, "rb")  # local or gs://
     except OSError as e:
@@ -142,10 +165,33 @@ def _lines(path: str, r: DocumentChecker) -> Iterator[tuple[int, str]]:
                     where = f"{path}:{n}"
                     r.bad("bad_utf8", where, f"invalid UTF-8 ({e.reason} at byte {e.start})")
                     continue
-                if line.strip():
+                if keep_blank or line.strip():
                     yield n, line.rstrip("\r\n")
         except UnreadableData as e:  # the data stops inside line n + 1: the rest is lost
             r.bad("unreadable", f"{path}:{n + 1}", str(e))
+
+
+def _read_plain_text(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
+    """Documents of a plain .txt: runs of non-blank lines, one sentence a line."""
+    id_stem = stem(path)
+    first, lines = 0, []
+    for n, line in _lines(path, r, keep_blank=True):
+        if line.strip():
+            first, lines = first or n, lines + [line.strip()]
+            continue
+        if lines:
+            doc = r.check(
+                f"{path}:{first}", f"{id_stem}:{first}", f"{id_stem}:{first}", "\n".join(lines)
+            )
+            if doc:
+                yield doc
+        first, lines = 0, []
+    if lines:
+        doc = r.check(
+            f"{path}:{first}", f"{id_stem}:{first}", f"{id_stem}:{first}", "\n".join(lines)
+        )
+        if doc:
+            yield doc
 
 
 def _read_jsonl(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
@@ -208,8 +254,8 @@ def _read_folder(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]
 def read_documents(
     path: str, *, skip_bad_input: bool = False, stats: collections.Counter | None = None
 ) -> Iterator[tuple[str, str, str]]:
-    """Yield (doc_id, title, text) from a .jsonl/.tsv file (or its .gz) or a folder of .txt
-    files."""
+    """Yield (doc_id, title, text) from a .jsonl/.tsv/.txt file (or its .gz) or a folder of
+    .txt files."""
     stats = stats if stats is not None else collections.Counter()
     r = DocumentChecker(skip_bad_input, stats)
     if fs.isdir(path):
@@ -218,6 +264,8 @@ def read_documents(
         raise CorpusError(f"{path}: no such file or folder")
     elif format_name(path).endswith((".jsonl", ".json")):
         yield from _read_jsonl(path, r)
+    elif is_plain_text(path):
+        yield from _read_plain_text(path, r)
     elif format_name(path).endswith((".tsv", ".txt")):
         yield from _read_tsv(path, r)
     else:

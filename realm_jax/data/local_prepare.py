@@ -47,14 +47,14 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
     if block_records.is_release_corpus(data.corpus):
         return release_blocks.release_blocks(data, stats)
     docs = corpus_lib.read_documents(data.corpus, skip_bad_input=data.skip_bad_input, stats=stats)
+    by_line = corpus_lib.is_plain_text(data.corpus)  # one sentence a line
+    total = None if by_line else corpus_lib.count_lines(data.corpus)  # lines are not documents
     blocks: list[corpus_lib.Block] = []
-    with _progress(
-        total=corpus_lib.count_lines(data.corpus), desc="blocks: tokenise", unit="doc"
-    ) as bar:
+    with _progress(total=total, desc="blocks: tokenise", unit="doc") as bar:
         for chunk in chunks(docs, CHUNK):
             titles = tk.wordpieces([t for _, t, _ in chunk])
             bodies = tk.wordpieces([b for _, _, b in chunk])
-            sents = masking.split_sentences(b for _, _, b in chunk)
+            sents = masking.split_sentences((b for _, _, b in chunk), by_line=by_line)
             for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
                 new = corpus_lib.split_blocks(
                     doc_id, title, body, t.ids, b, s, data.block_len, len(blocks)
@@ -96,7 +96,8 @@ def pretraining_sentences(data, blocks, stats):
             corpus_lib.read_documents(data.sentences, skip_bad_input=data.skip_bad_input, stats=sub)
         )
         stats.update({f"sentences_{k}": v for k, v in sub.items()})
-        spans = masking.split_sentences(text for _, _, text in docs)
+        by_line = corpus_lib.is_plain_text(data.sentences)  # one sentence a line
+        spans = masking.split_sentences((text for _, _, text in docs), by_line=by_line)
         pairs = [
             (t[a:b], -1, d, split_key(data, d, title))
             for (d, title, t), sp in zip(docs, spans, strict=True)

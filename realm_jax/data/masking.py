@@ -55,8 +55,13 @@ def sentencizer():
     return nlp
 
 
-def split_sentences(texts: Iterable[str], batch_size: int = 256) -> list[list[tuple[int, int]]]:
-    """Char spans (start, end) of the sentences of each text, whitespace trimmed."""
+def split_sentences(
+    texts: Iterable[str], batch_size: int = 256, by_line: bool = False
+) -> list[list[tuple[int, int]]]:
+    """Char spans (start, end) of the sentences of each text, whitespace trimmed. by_line: each
+    non-blank line is one sentence (plain .txt text, written one sentence a line)."""
+    if by_line:
+        return [_line_spans(text) for text in texts]
     out = []
     for doc in sentencizer().pipe(texts, batch_size=batch_size):
         spans, text = [], doc.text  # spaCy rebuilds doc.text on every access: read it once
@@ -68,6 +73,20 @@ def split_sentences(texts: Iterable[str], batch_size: int = 256) -> list[list[tu
                 spans.append((a, b))
         out.append(spans)
     return out
+
+
+def _line_spans(text: str) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for line in text.split("\n"):
+        a, b = start, start + len(line)
+        while a < b and text[a].isspace():
+            a += 1
+        while b > a and text[b - 1].isspace():
+            b -= 1
+        if b > a:
+            spans.append((a, b))
+        start += len(line) + 1
+    return spans
 
 
 @functools.lru_cache(maxsize=2)

@@ -263,7 +263,9 @@ def choose_engine(data, beam_runner: str = "") -> str:
     if engine == "beam" or beam_runner:
         return "beam"
     inputs = [p for p in (data.corpus, data.sentences) if p]
-    if any(os.path.isdir(p) for p in inputs):
+    if any(
+        os.path.isdir(p) or (not fs.is_remote(p) and corpus_lib.is_plain_text(p)) for p in inputs
+    ):
         return "local"  # the Beam path reads line files (beam_prepare.supported)
     if any(fs.is_remote(p) for p in inputs):
         return "beam"  # gs:// inputs at scale: Beam's workers read them in parallel

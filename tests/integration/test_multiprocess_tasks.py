@@ -283,6 +283,7 @@ def test_two_process_ict_matches_one_process(ict_data, tmp_path):
     assert final[0]["step"] == final[1]["step"] == 4 and "recall@5" in final[1]["eval"]
 
 
+@pytest.mark.system  # 2 + 1 process fine-tuning: CI keeps 2-process ICT, 1-process fine-tuning
 def test_two_process_finetune_evaluate_and_ask_match_one_process(qa_files, tmp_path):
     """`finetune` (dev evaluation on), `evaluate` and `ask` as 2 processes: the losses and
     the dev exact match of the 1-process run, the same predictions file, written once (by

@@ -128,6 +128,7 @@ def _example_ids(workdir: str) -> list[tuple[int, list]]:
     return [(r["step"], r["example_ids"]) for r in records]
 
 
+@pytest.mark.system  # a kill -9 drill of a 2-process job (~2 min); CI: the heartbeat setting
 def test_a_killed_process_stops_the_job_and_a_relaunch_resumes_the_loss_curve(data_dir, tmp_path):
     """Process 1 is killed at the last step, as the final checkpoint is being saved: the run
     is uninterrupted up to there (its logged losses are the reference) and the relaunch has to

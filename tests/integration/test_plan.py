@@ -87,6 +87,7 @@ def _param_bytes(config_spec: str) -> int:
     return sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(params))
 
 
+@pytest.mark.system  # two AOT compiles; CI keeps plan's refusals and the ICT/QA programs
 def test_smoke_plan_figures(tmp_path):
     """On 4 fake devices (data axis 4): replicated parameters are the whole model per device,
     Adam holds two copies of them, the index shards are a quarter of the padded corpus; with
@@ -132,6 +133,7 @@ def _programs(spec: str, overrides: list[str], devices: int, num_blocks: int):
     return plan.PROGRAMS[config.task](config, mesh, num_blocks)
 
 
+@pytest.mark.system  # compiles the step twice: CI keeps plan's refusals and the ICT/QA programs
 def test_remat_lowers_the_compiled_temporaries():
     """XLA's memory analysis, not RSS: the layers' scan under jax.checkpoint keeps only their
     inputs (the 4 x 256 step at the peer benchmark's shapes: 3.35 -> 0.89 GB on XLA:CPU)."""

@@ -101,6 +101,7 @@ def two_devices(monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
+@pytest.mark.system  # three tiny runs: CI keeps sweep validation, dry runs and tables
 def test_sweep_runs_tables_and_skips_finished_points(tmp_path, capsys, two_devices):
     corpus = tmp_path / "corpus.jsonl"
     with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
@@ -239,11 +240,19 @@ def test_tpu_dry_run_prints_one_launch_per_point(tmp_path, capfd):
         assert " configs/realm.py:small --config.train.steps=100 --config.train.lr=" in line
 
 
-@pytest.mark.parametrize("name", ["realm", "ict", "orqa", "ablations"])
+SWEEP_FILES = {
+    "realm": "configs/realm.py",
+    "ict": "configs/ict.py",
+    "orqa": "configs/orqa.py",
+    "ablations": "experiments/ablations/config.py",  # the ablation study's sweep
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP_FILES))
 def test_every_shipped_sweep_validates_with_its_training_command(name, tmp_path):
     from realm_jax.sweep import runner
 
-    path = os.path.join(REPO, "configs", f"{name}.py")
+    path = os.path.join(REPO, SWEEP_FILES[name])
     for variant in ("smoke", "small", "base", "squad"):
         points = runner.load_points(f"{path}:{variant}", str(tmp_path), [])
         assert len(points) >= 2 and len({p.name for p in points}) == len(points)

@@ -83,6 +83,7 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
         np.testing.assert_allclose(loss, full[step], rtol=1e-5, err_msg=f"step {step}")
 
 
+@pytest.mark.system  # two CLI runs: CI keeps the SIGKILL resume and the refresh swap
 def test_inprocess_resume_between_refreshes_reads_the_kept_index(data_dir, tmp_path, caplog):
     """refresh.every=8, checkpoints every 4: a run resumed at step 4 must read the index
     re-embedded at step 0, as the uninterrupted run did (inprocess mode keeps each index it
@@ -595,6 +596,7 @@ def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_di
     assert served[last][1] == every
 
 
+@pytest.mark.system  # a CLI run: CI keeps the amortized slices' test
 def test_amortized_refresh_trains_without_a_refresh_job(data_dir, tmp_path):
     """A REALM run with refresh.mode=amortized: no refresh job, no whole-pass stall after the
     first index, staleness within 2 * refresh.every - 1 steps."""

@@ -326,3 +326,62 @@ def test_prepare_squad_head_with_ner(tmp_path):
         assert max(len(src[i]["span_starts"]) for i in range(200)) > 1
     with open(os.path.join(d, "summary.json")) as f:
         assert json.load(f)["complete"] is True
+
+
+# ------------------------------------------------------------------ a plain-text pre-training text
+PLAIN = (
+    "Ada Lovelace was born in London.\n"
+    "  She wrote the first published program  \n"  # no full stop: still its own sentence
+    "\n\n"
+    "The Analytical Engine was never finished.\n"
+    "\t\n"  # whitespace only: a blank line
+    "Babbage designed it in 1837.\n"
+    "It would have been programmed with punched cards.\n"
+)
+
+
+def test_plain_txt_is_one_sentence_a_line_with_documents_split_by_blank_lines(tmp_path):
+    """A .txt as BERT's pre-training data is written (issue 38): documents are runs of non-blank
+    lines, each line a sentence; ids and titles are "<stem>:<first line>". A .txt whose first
+    line holds a tab keeps the title<TAB>text line format."""
+    want = [
+        (
+            "text:1",
+            "text:1",
+            "Ada Lovelace was born in London.\nShe wrote the first published program",
+        ),
+        ("text:5", "text:5", "The Analytical Engine was never finished."),
+        (
+            "text:7",
+            "text:7",
+            "Babbage designed it in 1837.\nIt would have been programmed with punched cards.",
+        ),
+    ]
+    path = _write(tmp_path / "text.txt", PLAIN)
+    assert corpus.is_plain_text(path)
+    assert list(corpus.read_documents(path)) == want
+    os.makedirs(tmp_path / "gz")
+    assert list(corpus.read_documents(_gz(tmp_path / "gz" / "text.txt.gz", PLAIN.encode()))) == want
+    # each line one sentence, trimmed (spans by hand)
+    first = want[0][2]
+    assert masking.split_sentences([first], by_line=True) == [[(0, 32), (33, len(first))]]
+    assert first[33:] == "She wrote the first published program"
+    tsv = _write(tmp_path / "tsv.txt", "T1\tFirst text.\n")
+    assert not corpus.is_plain_text(tsv) and not corpus.is_plain_text(SAMPLE)
+    bad = _write(tmp_path / "bad.txt", b"Fine line.\n\n\xff broken line\n", "wb")
+    with pytest.raises(corpus.CorpusError, match=r"bad.txt:3: invalid UTF-8"):
+        list(corpus.read_documents(bad))
+
+
+def test_prepare_takes_a_plain_txt_pre_training_text(tmp_path, tiny_corpus):
+    """data.sentences = a plain .txt: prepared in process, one pre-training sentence a line
+    (5 of the 8 lines of PLAIN); Beam refuses it by name."""
+    text = _write(tmp_path / "text.txt", PLAIN)
+    cfg = _config(tiny_corpus, "data.masking=random", f"data.sentences={text}")
+    assert P.choose_engine(cfg.data) == "local"
+    s = P.prepare(cfg, str(tmp_path / "data"))
+    assert s["counts"]["sentences"] == 5 and s["counts"]["sentences_documents"] == 3, s["counts"]
+    cfg.data.engine = "beam"
+    pytest.importorskip("apache_beam")
+    with pytest.raises(datasets.PrepareError, match="plain-text .txt"):
+        P.prepare(cfg, str(tmp_path / "beam"))

@@ -163,6 +163,7 @@ def test_null_document_score_gradient_hand_computed():
     assert abs(got[0]) > 1e-3  # the null document's score gets a gradient
 
 
+@pytest.mark.system  # trains ~50 s: CI keeps the null document's score and gradient
 def test_retriever_learns_when_every_retrieved_score_is_negative(setup):
     """The failure the null document's constant score caused: with every retrieved block
     scored far below 0 (here about -100: the embedders' projection LayerNorm biases pushed to
