@@ -16,6 +16,19 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the session, inherited by every CLI and worker process
+# the tests start: the same tiny programs compiled once instead of once per process (what most
+# of the suite's time went to). Removed at exit; REALM_JAX_TEST_XLA_CACHE=0 turns it off.
+if os.environ.get("REALM_JAX_TEST_XLA_CACHE", "1") != "0" and not os.environ.get(
+    "JAX_COMPILATION_CACHE_DIR"
+):
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="realm-jax-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -15,10 +15,7 @@ from realm_jax.index import embedding
 from realm_jax.index.feed import IndexFeed
 from realm_jax.pretrain import commands as pretrain_commands
 from realm_jax.sweep.points import sweep_points
-from tests.conftest import (
-    REPO,  # noqa: E402
-    prepare_sample_head,
-)
+from tests.conftest import REPO, prepare_sample_head
 from tests.support.realm_fixtures import TINY_NETWORKS
 
 ABLATIONS = os.path.join(REPO, "experiments", "ablations", "config.py")

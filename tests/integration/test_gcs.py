@@ -290,6 +290,7 @@ def test_prepare_to_gcs_and_read_back(root, sample_config, tmp_path, monkeypatch
         datasets.load_summary(remote)
 
 
+@pytest.mark.system  # CI: Beam = in process, Beam on gs:// inputs
 def test_beam_prepare_builds_in_place_on_gcs(root, tmp_path, monkeypatch):
     """`prepare` on Beam into a gs:// data_dir: worker processes write their array_record
     shards into the build folder on the object store themselves, as Dataflow's workers must

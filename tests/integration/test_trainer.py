@@ -258,6 +258,7 @@ def test_a_new_index_is_read_beside_the_training_steps(tmp_path, monkeypatch, ba
     np.testing.assert_array_equal(got, emb[::-1])
 
 
+@pytest.mark.system  # CI: ScaNN in unit/test_index.py
 def test_scann_recall_on_sample_corpus_embeddings(tmp_path):
     """ScaNN (asymmetric hashing + re-scoring) vs exact search on the bundled sample's blocks,
     embedded by an embedder warm-started from real BERT weights (../shared bert-tiny-mlm)."""

@@ -397,6 +397,7 @@ def test_same_loss_on_one_device_and_eight(setup, step8):
     np.testing.assert_allclose(metrics["loss"], step8["loss"], rtol=1e-5)
 
 
+@pytest.mark.system  # two step compiles; CI: the weighting test
 def test_gradient_accumulation_gives_the_whole_batch_gradient():
     """train.grad_accum=2 (pretrain/step.py accumulated_grads) against one pass over the same
     16 sentences on the 8-device mesh: the same gradient, metrics and update. The two

@@ -61,6 +61,7 @@ def test_each_network_imports_its_own_folder(imported):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.system  # a training run; CI: each network imports its own folder
 def test_separate_architectures_train(imported):
     config, mesh, model, optimizer, state, shardings, _, _ = imported
     emb, tokens = synthetic_index(config)
