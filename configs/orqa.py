@@ -7,7 +7,7 @@ same), plus `qa`. Run `python -m realm_jax finetune --config configs/orqa.py:<va
 Variants: smoke (the bundled sample: its QA file, split by the sample's held-out article),
 small, base (ORQA's: retriever beam 5000, reader beam 5, reader length 320, lr 1e-5, BERT-base;
 questions from NQ-open files that `qa.train_file`/`qa.dev_file` must name), squad (the QA
-reference result in docs/results.md: SQuAD questions split by held-out article, fine-tuned
+reference result in experiments/squad_qa: SQuAD questions split by held-out article, fine-tuned
 from the squad pre-training recipe's REALM workdir), squad_read (a reading-comprehension
 phase for bert-tiny's reader on the training articles' gold passages, before pre-training and
 fine-tuning: a deviation from REALM and ORQA, whose BERT-base reader needs none; issue 22).
@@ -55,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Reading BM25's blocks (`evaluate --retriever bm25`): the retrieval score added to each
     # span score is BM25's score x this weight (ORQA adds its retriever's logit; BM25 is not in
     # the release: BERTserini-style interpolation); 0 = the span scores alone. 1.0: chosen on
-    # the 500 dev questions for the reading phase's reader (experiments/bm25_reader/bm25_reader.py;
-    # held-out EM on BM25's top 5: 5.1% with the span scores alone -> 10.4%; docs/results.md).
+    # the 500 dev questions for the reading phase's reader (experiments/bm25_reader: held-out
+    # EM on BM25's top 5, 5.1% with the span scores alone -> 10.4%).
     q.bm25_weight = 1.0
     q.best_metric = "exact_match"  # dev metric whose best checkpoint is kept (<workdir>/best)
     # A deviation from ORQA, which has no gold passages (REALM and ORQA fine-tune on NQ): when a
@@ -77,7 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t = c.train
     t.batch_size = {"smoke": 8, "squad": 16, "base": 64}.get(variant, 32)  # questions per step
     t.steps = {"smoke": 40, "squad": 1000, "base": 20_000}.get(variant, 2000)
-    # ORQA: 1e-5 for BERT-base. bert-tiny's reader learns fastest near 1e-3 (docs/results.md
+    # ORQA: 1e-5 for BERT-base. bert-tiny's reader learns fastest near 1e-3 (experiments/ablations
     # "A reader that reads": 2e-4, 1e-3, 3e-3 measured), where its query embedder would lose
     # its retrieval (3e-3: no answer left in the retriever's beam): that one stays at 2e-4.
     t.lr = {"smoke": 1e-3, "squad": 1e-3, "base": 1e-5}.get(variant, 3e-5)
@@ -103,7 +103,7 @@ def _reading_phase(c: ml_collections.ConfigDict) -> None:
     fine-tuning then start from this reader (model.init_from_realm=<this workdir> with
     model.init_span_head_from_realm=true). A deviation from the paper, which starts from
     BERT-base: bert-tiny fine-tuned by ORQA alone read 6% of held-out questions right given
-    their gold passage (docs/results.md), too weak a reader to tell the arms apart."""
+    their gold passage (experiments/ablations), too weak a reader to tell the arms apart."""
     m, q, t = c.model, c.qa, c.train
     m.init_from_realm = ""
     m.init_reader_from = SHARED + "/models/bert-tiny-mlm"  # the reader REALM starts from
@@ -114,7 +114,7 @@ def _reading_phase(c: ml_collections.ConfigDict) -> None:
     t.embedder_lr_scale = 0.0  # the reader alone learns
     t.batch_size = 64  # questions a step: 64 gold reads
     # ~154k reads, about two epochs of the training articles' questions. Held-out EM given the
-    # gold passage: 14.0% after one epoch (1,200 steps), 15.6% after two (docs/results.md "A
+    # gold passage: 14.0% after one epoch (1,200 steps), 15.6% after two (experiments/ablations "A
     # reader that reads: two epochs")
     t.steps = 2400
     t.warmup_steps = 100

@@ -4,7 +4,7 @@ Variants (pass as `configs/realm.py:<variant>`):
   smoke  tiny model, bundled sample corpus, CPU, a few minutes end to end.
   small  4 layers x 256 wide: a CPU/GPU development size (also used by benchmarks/).
   base   BERT-base and the paper's hyperparameters (Guu et al. 2020), for a TPU pod.
-  squad  the learning recipe (docs/results.md): SQuAD's 18,896 Wikipedia paragraphs from
+  squad  the learning recipe (experiments/squad_qa): SQuAD's 18,896 Wikipedia paragraphs from
          ../shared, held-out articles, real bert-tiny weights in all three networks and the
          embedders warm-started by ICT (`configs/ict.py:squad` first); under an hour on 2 CPUs.
 
@@ -45,7 +45,7 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     m.reader_layer_norm_eps = 1e-3  # LayerNorm epsilon in the span head
     # The release's flag defaults to one shared embedder (train_realm.py share_embedders=True);
     # the paper writes Embed_input and Embed_doc apart, and so do we by default. The squad
-    # recipe run both ways (docs/results.md, step 400, held out): separate 0.257 retrieval
+    # recipe run both ways (experiments/squad_qa, step 400, held out): separate 0.257 retrieval
     # utility, 15.7% same-title hits; shared 0.217 and 20.2%. Neither wins outright yet.
     m.share_embedders = False  # one network embeds queries and documents
     m.dtype = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
@@ -99,7 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             init_embedders_from_ict="runs/squad-ict",
         )
     else:  # base: BERT-base x 3 at batch 512 fits a v3-64 slice only with remat and bf16
-        # activations (`realm-jax plan --topology v3-64`; docs/plan.md has the figures)
+        # activations (`realm-jax plan --topology v3-64`; docs/benchmarks.md "Pod plan")
         c.model = _model({}, remat=True, dtype="bfloat16")
 
     # ---------------------------------------------------------------- data
@@ -245,7 +245,7 @@ def _squad(c: ml_collections.ConfigDict) -> None:
     # bert-tiny's reader is weak at salient spans (0.4% at step 0), so the retriever's
     # gradient is noisy; at one LR the ICT-trained retriever lost same-article retrieval
     # (held-out same-title fraction 0.19 -> 0.04 by step 100) that a tenth of it keeps
-    # (0.17): docs/results.md has both runs.
+    # (0.17): experiments/squad_qa has both runs.
     c.train.embedder_lr_scale = 0.1  # the embedders' LR relative to train.lr
     c.train.log_every = 10  # steps between logs
     c.train.checkpoint_every = 100  # steps between checkpoints
