@@ -12,10 +12,10 @@ CorpusError, lives in the foundations (corpus_errors.py) for the same reason: th
 interop/ cannot import data/corpus.py.
 """
 
-import ast
 import os
 
 from tests.conftest import REPO
+from tests.support.source import module_imports
 
 PKG = os.path.join(REPO, "realm_jax")
 # Lowest first. A module may import its own room and any room of a lower layer.
@@ -56,27 +56,6 @@ def _modules():
                 path = os.path.join(root, f)
                 rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
                 yield rel.removesuffix(".__init__"), path
-
-
-def _is_module(name: str) -> bool:
-    path = os.path.join(os.path.dirname(PKG), *name.split("."))
-    return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
-
-
-def module_imports(path: str) -> set[str]:
-    """The realm_jax modules a file imports, anywhere in it (functions included), with
-    `from realm_jax.x import y` read as the module realm_jax.x.y when y is one."""
-    out = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("realm_jax"):
-            subs = {f"{node.module}.{a.name}" for a in node.names}
-            found = {s for s in subs if _is_module(s)}
-            out |= found
-            if len(found) < len(subs):  # names defined in node.module itself
-                out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("realm_jax")}
-    return out
 
 
 def violations(module: str, imports: set[str]) -> list[str]:

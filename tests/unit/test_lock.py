@@ -118,9 +118,9 @@ def test_an_object_store_workdir_takes_a_lease(monkeypatch):
 
 
 def test_lock_imports_nothing_of_the_package_but_workdir():
-    from tests.support.source import package_imports
+    from tests.support.source import module_imports
 
-    imports = package_imports(os.path.join(REPO, "realm_jax", "lock.py"))
+    imports = module_imports(os.path.join(REPO, "realm_jax", "lock.py"))
     assert imports <= {"realm_jax.workdir", "realm_jax.fs"}, imports
 
 
