@@ -37,6 +37,7 @@ import csv
 import dataclasses
 import gzip
 import io
+import itertools
 import json
 import os
 import zlib
@@ -175,23 +176,17 @@ def _read_plain_text(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, 
     """Documents of a plain .txt: runs of non-blank lines, one sentence a line."""
     id_stem = stem(path)
     first, lines = 0, []
-    for n, line in _lines(path, r, keep_blank=True):
+    end = [(0, "")]  # a blank line after the last one ends the last document
+    for n, line in itertools.chain(_lines(path, r, keep_blank=True), end):
         if line.strip():
-            first, lines = first or n, lines + [line.strip()]
-            continue
-        if lines:
-            doc = r.check(
-                f"{path}:{first}", f"{id_stem}:{first}", f"{id_stem}:{first}", "\n".join(lines)
-            )
+            first = first or n
+            lines.append(line.strip())
+        elif lines:
+            doc_id, text = f"{id_stem}:{first}", "\n".join(lines)
+            doc = r.check(f"{path}:{first}", doc_id, doc_id, text)
             if doc:
                 yield doc
-        first, lines = 0, []
-    if lines:
-        doc = r.check(
-            f"{path}:{first}", f"{id_stem}:{first}", f"{id_stem}:{first}", "\n".join(lines)
-        )
-        if doc:
-            yield doc
+            first, lines = 0, []
 
 
 def _read_jsonl(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
