@@ -17,14 +17,15 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
-# Test tiers (docs/testing.md): a test's folder is its tier.
+# Test tiers (docs/testing.md): a test's folder is its tier (a long variant marked system runs
+# in test-system).
 # `make test` is what CI runs: unit + integration (the CLI, fake GCS, 2-process jobs), <= 15 min
 # on a 2-core machine.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not slow and not system" \
 		tests/unit tests/integration
 
-# Lint and the unit tier: a few minutes, for every change.
+# Lint and the unit tier: about a minute, for every change.
 check: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not system" tests/unit
 
