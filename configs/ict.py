@@ -30,13 +30,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.ict.recall_ks = (1, 5, 10, 20)  # held-out recall@k of the own block over the corpus
     c.ict.bm25_baseline = True  # also report BM25's recall@k on the same held-out sentences
     t = c.train
-    t.batch_size = {"smoke": 16, "small": 128, "base": 4096, "squad": 64}[variant]  # global
-    t.steps = {"smoke": 60, "small": 2000, "base": 100_000, "squad": 600}[variant]
-    t.lr = {"smoke": 1e-3, "small": 1e-4, "base": 1e-4, "squad": 2e-4}[variant]  # ORQA: 1e-4
-    t.warmup_steps = {"smoke": 6, "small": 200, "base": 10_000, "squad": 60}[variant]
-    t.eval_every = {"smoke": 30, "small": 500, "base": 5000, "squad": 200}[variant]
-    t.checkpoint_every = {"smoke": 30, "small": 500, "base": 5000, "squad": 200}[variant]
-    t.eval_examples = {"smoke": 256, "small": 2048, "base": 4096, "squad": 1024}[variant]
+    # per variant: global batch, steps, peak LR (ORQA: 1e-4), warmup, eval and checkpoint
+    # interval, held-out sentences evaluated
+    sizes = {
+        "smoke": (16, 60, 1e-3, 6, 30, 256),
+        "small": (128, 2000, 1e-4, 200, 500, 2048),
+        "base": (4096, 100_000, 1e-4, 10_000, 5000, 4096),
+        "squad": (64, 600, 2e-4, 60, 200, 1024),
+        "world": (64, 300, 1e-4, 30, 100, 1024),
+    }[variant]
+    t.batch_size, t.steps, t.lr, t.warmup_steps, t.eval_every, t.eval_examples = sizes
+    t.checkpoint_every = t.eval_every  # steps between checkpoints
     # ICT trains nothing but the embedders: their LR is train.lr (REALM's squad recipe slows
     # its embedders to a tenth, which made ICT learn at a tenth: issue 22)
     t.embedder_lr_scale = 1.0  # the embedders' LR relative to train.lr

@@ -7,6 +7,9 @@ Variants (pass as `configs/realm.py:<variant>`):
   squad  the learning recipe (experiments/squad_qa): SQuAD's 18,896 Wikipedia paragraphs from
          ../shared, held-out articles, real bert-tiny weights in all three networks and the
          embedders warm-started by ICT (`configs/ict.py:squad` first); under an hour on 2 CPUs.
+  world  a generated knowledge world (`realm-jax world`, docs/tutorial.md): fictional people,
+         one knowledge document each, and a separate pre-training text whose masked facts
+         only that document holds; REALM's retriever learning to fetch it in minutes on a CPU.
 
 Every field is overridable on the command line, e.g. `--config.train.lr=1e-4`; the config is
 locked, so a misspelt key is an error.
@@ -62,7 +65,7 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     return m
 
 
-VARIANTS = ("smoke", "small", "base", "squad")
+VARIANTS = ("smoke", "small", "base", "squad", "world")
 SHARED = "../shared"  # the team's shared folder (the squad recipe's data and weights)
 
 
@@ -89,6 +92,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model = _model(
             dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
             span_hidden_size=64,
+        )
+    elif variant == "world":  # bert-tiny in all three (a random-init model never learns there:
+        # its ICT stays at ln(batch), docs/tutorial.md); no ICT warm start by default
+        tiny = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
+        c.model = _model(
+            dict(tiny, hidden_act="gelu", max_position_embeddings=512),
+            init_embedder_from=SHARED + "/models/bert-tiny-mlm",
+            init_reader_from=SHARED + "/models/bert-tiny-mlm",
         )
     elif variant == "squad":  # bert-tiny (../shared/models/bert-tiny-mlm) in all three
         tiny = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
@@ -161,9 +172,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the release: REALM there starts from a BERT-base reader that already fills in blanks)
     c.train.embedders_frozen_steps = 0  # steps before the embedders train; 0 = from the start
     # the first N steps may retrieve the masked sentence's own block (the release always
-    # excludes it, so that the retriever learns no trivial match): with the embedders frozen
-    # that long, a copying curriculum for the reader's warm-up; at most embedders_frozen_steps
-    c.train.own_block_steps = 0  # steps that do not exclude the own block; 0 = none
+    # excludes it, so that the retriever learns no trivial match), and a separate text's
+    # sentence (data.sentences) gets the block of its document's title put among its
+    # candidates: with the embedders frozen that long, a copying curriculum for the reader's
+    # warm-up (the retriever learns nothing from it); at most embedders_frozen_steps
+    c.train.own_block_steps = 0  # steps of the copying curriculum (above); 0 = none
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2
@@ -215,6 +228,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.refresh.scann_reorder = 100  # exact re-scoring of this many candidates
     if variant == "squad":
         _squad(c)
+    if variant == "world":
+        _world(c)
     return c
 
 
@@ -255,3 +270,21 @@ def _squad(c: ml_collections.ConfigDict) -> None:
     c.refresh.every = 100  # steps between in-process re-embeddings of the corpus
     c.refresh.embed_batch_size = 256  # blocks per embedding call
     c.refresh.mode = "inprocess"  # 2 CPU cores: re-embed between steps, no second process
+
+
+def _world(c: ml_collections.ConfigDict) -> None:
+    """The generated world's sizes (`realm-jax world` writes it into its --workdir; the data
+    paths below expect runs/world) and the recipe that learns there (docs/tutorial.md)."""
+    w = c.world = ml_collections.ConfigDict()
+    w.entities = 1000  # people the pre-training text tells about (each one knowledge document)
+    w.distractors = 1000  # people with a knowledge document the text never mentions
+    w.sentences_per_entity = 3  # pre-training sentences per person, one fact each
+    w.mention = "name"  # how a sentence names its person: "name" or "attributes" (no name)
+    w.seed = 0  # the world's seed: the same seed, the same files
+    w.shards = 2  # TFRecord shards of the pre-training text
+    c.data.corpus = "runs/world/corpus.jsonl"  # the knowledge documents
+    c.data.sentences = "runs/world/text"  # REALM's annotated-shard format: spans given
+    c.data.data_dir = "runs/world-data"  # shared by the ICT and REALM runs
+    c.data.block_len = 64  # a knowledge document fits one block
+    c.data.query_len = 32  # one sentence
+    c.data.eval_fraction = 0.2  # a fifth of the people held out (their sentences, never trained)

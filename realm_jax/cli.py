@@ -25,6 +25,7 @@ COMMANDS = {
     "plan": "compile the config's programs for a TPU slice ahead of time: does it fit?",
     "import": "HF REALM folders or the release's TF checkpoints -> a workdir (+ block_emb index)",
     "export": "a workdir's checkpoint -> HuggingFace REALM folders (safetensors)",
+    "world": "generate a seeded knowledge world (corpus, annotated text, QA) into --workdir",
 }
 
 # command -> "module:function" (imported only when run). `train` and `local` depend on the
@@ -38,6 +39,7 @@ ENTRY = {
     "plan": "realm_jax.plan:command",
     "import": "realm_jax.interop.commands:import_command",
     "export": "realm_jax.interop.commands:export_command",
+    "world": "realm_jax.data.world:command",
 }
 TASK_COMMANDS = {
     "realm": {

@@ -491,7 +491,8 @@ def _block_records(batch):
 
 # ------------------------------------------------------------------------------------ masking
 def _sentences(batch, opts: _Opts):
-    """A block batch -> one sentence batch (text, block id, doc id, held out?) in order."""
+    """A block batch -> one sentence batch (text, block id, doc id, held out?, title) in
+    order."""
     key, first, bs = batch
     out = [
         (
@@ -499,6 +500,7 @@ def _sentences(batch, opts: _Opts):
             first + i,
             b.doc_id,
             is_eval(records.split_key(opts, b.doc_id, b.title), opts.eval_fraction, opts.seed),
+            b.title,
         )
         for i, b in enumerate(bs)
         for cs, ce in b.sentences
@@ -527,11 +529,11 @@ class MaskBatch(beam.DoFn):
         cands = self.masker.candidates([mine[m][1][0] for m in keep])
         out = []
         for m, cand in zip(keep, cands, strict=True):
-            index, (text, block_id, doc_id, _) = mine[m]
+            index, (text, block_id, doc_id, _, title) = mine[m]
             spans = self.masker.choices(index, text, encs[m].offsets, cand)
             if spans:
                 rec = records.example_record(
-                    -1, block_id, doc_id, text, encs[m].ids, spans, self.opts.query_len
+                    -1, block_id, doc_id, title, text, encs[m].ids, spans, self.opts.query_len
                 )
                 out.append(rec)
                 self.stats["salient_spans"] += len(spans)
@@ -551,7 +553,7 @@ def write_sentences(bl, opts: _Opts, prefix: str, base: int) -> None:
 
 
 def write_table(batches, prefix: str, base: int) -> None:
-    """(key, [(text, block id, doc id, held out)]) sentence batches -> the sentence table,
+    """(key, [(text, block id, doc id, held out, title)]) sentence batches -> the sentence table,
     each batch numbered from base (the sentences of the windows before) in key order."""
     _ = (
         dense_ids(batches, "Sentence", base)
@@ -561,7 +563,7 @@ def write_table(batches, prefix: str, base: int) -> None:
 
 
 def _text_batches(k: int, opts: _Opts, plan: dict):
-    """One chunk of the separate text -> ((k, j), [(sentence, -1, doc id, held out)]) batches
+    """One chunk of the separate text -> ((k, j), [(sentence, -1, doc id, held out, title)]) batches
     in text order, as the in-process path lists them (local_prepare.pretraining_sentences),
     plus ("stats", Counter) of the chunk's sentences."""
     docs = _chunk_docs(k, opts, plan)
@@ -570,7 +572,7 @@ def _text_batches(k: int, opts: _Opts, plan: dict):
         spans = masking.split_sentences(text for _, _, text in chunk)
         for (doc_id, title, text), sp in zip(chunk, spans, strict=True):
             held = is_eval(records.split_key(opts, doc_id, title), opts.eval_fraction, opts.seed)
-            rows.extend((text[a:b], -1, doc_id, held) for a, b in sp)
+            rows.extend((text[a:b], -1, doc_id, held, title) for a, b in sp)
             stats[SENTENCES] += len(sp)
             while len(rows) >= TEXT_BATCH:
                 yield ((k, j), rows[:TEXT_BATCH])

@@ -32,7 +32,7 @@ from realm_jax import fs
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # v3: examples carry their document's title
 
 
 SUMMARY = "summary.json"

@@ -98,14 +98,15 @@ def train_loader(config, data_dir: str, train_ids: np.ndarray) -> grain.DataLoad
 
 
 def eval_queries(data_dir: str, query_len: int, max_examples: int):
-    """Held-out sentences (unmasked) and their own block ids: (query_ids [Q, Lq], block_id [Q],
-    texts)."""
+    """Held-out sentences (unmasked), their own block ids (-1: a separate text's) and their
+    documents' titles: (query_ids [Q, Lq], block_id [Q], texts, titles)."""
     source = datasets.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
     recs = [source[i] for i in range(n)]
     q = np.stack([tk.pad_to(r["token_ids"], query_len) for r in recs]).astype(np.int32)
     own = np.asarray([int(r["block_id"]) for r in recs], np.int64)
-    return q, own, [r["text"].decode() for r in recs]
+    titles = [r["title"].decode() if "title" in r else "" for r in recs]
+    return q, own, [r["text"].decode() for r in recs], titles
 
 
 def _find(hay: np.ndarray, needle: np.ndarray) -> int:

@@ -69,9 +69,9 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
 
 def pretraining_sentences(data, blocks, stats):
     """Pre-training sentences, their source block ids (-1 for separate text), doc ids,
-    whether each is held out for evaluation, and each one's salient span candidates when the
-    text brings them (REALM's annotated shards, interop/realm_records.py; else None: NER finds
-    them)."""
+    titles (their document's: a block's, or a separate text's document's), whether each is
+    held out for evaluation, and each one's salient span candidates when the text brings them
+    (REALM's annotated shards, interop/realm_records.py; else None: NER finds them)."""
     given = None
     if realm_records.is_release_text(data.sentences):
         sub = collections.Counter()
@@ -81,12 +81,12 @@ def pretraining_sentences(data, blocks, stats):
         pairs, given = [], []
         for d, title, sents in docs:
             for text, cands in sents:
-                pairs.append((text, -1, d, split_key(data, d, title)))
+                pairs.append((text, -1, d, split_key(data, d, title), title))
                 given.append(cands)
         stats.update({f"sentences_{k}": v for k, v in sub.items()})
     elif not data.sentences:
         pairs = [
-            (b.text[cs:ce], b.block_id, b.doc_id, split_key(data, b.doc_id, b.title))
+            (b.text[cs:ce], b.block_id, b.doc_id, split_key(data, b.doc_id, b.title), b.title)
             for b in blocks
             for cs, ce in b.sentences
         ]
@@ -99,19 +99,20 @@ def pretraining_sentences(data, blocks, stats):
         by_line = corpus_lib.is_plain_text(data.sentences)  # one sentence a line
         spans = masking.split_sentences((text for _, _, text in docs), by_line=by_line)
         pairs = [
-            (t[a:b], -1, d, split_key(data, d, title))
+            (t[a:b], -1, d, split_key(data, d, title), title)
             for (d, title, t), sp in zip(docs, spans, strict=True)
             for a, b in sp
         ]
     stats["sentences"] = len(pairs)
     held = [is_eval(p[3], data.eval_fraction, data.seed) for p in pairs]
-    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs], held, given
+    texts, block_ids, doc_ids, _, titles = (list(c) for c in zip(*pairs)) if pairs else ([],) * 5
+    return texts, block_ids, doc_ids, titles, held, given
 
 
 def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict], list[dict], str]:
     """Masked pre-training examples; returns (train records, held-out records, effective
     masking mode)."""
-    texts, block_ids, doc_ids, held, given = pretraining_sentences(data, blocks, stats)
+    texts, block_ids, doc_ids, titles, held, given = pretraining_sentences(data, blocks, stats)
     masker = make_masker(data, stats, data.ner_processes, ner=given is None)
     records, eval_records = [], []
     desc = f"examples: {masking_label(masker, given)} masking"
@@ -123,7 +124,14 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
             out = eval_records if held[i] else records
             out.append(
                 example_record(
-                    len(out), block_ids[i], doc_ids[i], texts[i], enc.ids, spans, data.query_len
+                    len(out),
+                    block_ids[i],
+                    doc_ids[i],
+                    titles[i],
+                    texts[i],
+                    enc.ids,
+                    spans,
+                    data.query_len,
                 )
             )
     stats["examples"] = len(records)

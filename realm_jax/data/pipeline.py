@@ -94,15 +94,29 @@ class MaskSpan(grain.transforms.RandomMap):
     query_len: int
     max_predictions: int
     mask_mode: str = "salient"
+    # title -> block id: each example also gets gold_block, its own block or, for a separate
+    # text's sentence, the first block of its document's title (-1: none), which REALM's
+    # copying curriculum puts among the candidates (train.own_block_steps); None: no gold_block
+    gold_of: dict | None = None
 
     def __post_init__(self):
         masking.check_mask_mode(self.mask_mode)  # before any record is read
 
     def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         out = mask_record(rec, rng, self.mask_mode, self.query_len, self.max_predictions)
+        if self.gold_of is not None:
+            out["gold_block"] = np.int32(gold_block(rec, self.gold_of))
         if "example_id" in rec:  # host-side only: the loop takes it out before the device
             out["example_id"] = np.int64(rec["example_id"])
         return out
+
+
+def gold_block(rec: dict, gold_of: dict) -> int:
+    """An example's own block, else the first block of its document's title, else -1."""
+    if int(rec["block_id"]) >= 0:
+        return int(rec["block_id"])
+    title = rec.get("title", b"")
+    return int(gold_of.get(title.decode("utf-8") if isinstance(title, bytes) else title, -1))
 
 
 def local_batch_size(global_batch_size: int) -> int:
@@ -250,14 +264,21 @@ def shuffled_batches(
 
 
 def train_loader(
-    config, data_dir: str, *, global_batch_size: int, seed: int, num_epochs: int | None = None
+    config,
+    data_dir: str,
+    *,
+    global_batch_size: int,
+    seed: int,
+    num_epochs: int | None = None,
+    gold_of: dict | None = None,
 ) -> grain.DataLoader:
     """A grain DataLoader of this process's share of masked-sentence batches.
 
     Batch: query_ids [b, query_len] int32, mlm_positions / mlm_targets [b, max_predictions]
     int32, mlm_weights [b, max_predictions] float32, block_id [b] int32, example_id [b] int64
     (the prepared examples' ids, kept on the host by the loop: train.record_example_ids);
-    b = global_batch_size / jax.process_count().
+    b = global_batch_size / jax.process_count(). With gold_of (title -> block id), also
+    gold_block [b] int32 (MaskSpan).
 
     On a gs:// data_dir the examples are read in place, record by record, as the batches
     want them (datasets.ShardedSource): no host copies the examples first. A process's rows
@@ -268,7 +289,7 @@ def train_loader(
     """
     data = config.data
     # before the data is opened: an unknown data.mask_mode is a config error, not a data one
-    mask = MaskSpan(data.query_len, data.max_predictions, data.get("mask_mode", "salient"))
+    mask = MaskSpan(data.query_len, data.max_predictions, data.get("mask_mode", "salient"), gold_of)
     return shuffled_batches(
         datasets.examples_source(data_dir),
         mask,
@@ -484,7 +505,8 @@ def iterator_restore_args(it) -> IteratorRestore:
 def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
     """The held-out examples as a fixed list of this process's batches (the same every
     evaluation: the first `max_examples` (all when <= 0), whole global batches only, each
-    example masked by the run's data.mask_mode with a generator seeded by its id)."""
+    example masked by the run's data.mask_mode with a generator seeded by its id). Each batch
+    also holds, host-side, its examples' document titles ("title", an object array)."""
     source = datasets.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
     b = local_batch_size(batch_size)
@@ -509,5 +531,12 @@ def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
             )
             for r in recs
         ]
-        out.append({k: np.stack([e[k] for e in ex]) for k in ex[0]})
+        batch = {k: np.stack([e[k] for e in ex]) for k in ex[0]}
+        if "title" in recs[0]:  # host-side (the evaluator's title metrics), never on device
+            batch["title"] = np.asarray([_text(r["title"]) for r in recs], dtype=object)
+        out.append(batch)
     return out
+
+
+def _text(v) -> str:
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)

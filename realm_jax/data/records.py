@@ -78,6 +78,7 @@ class RealmExamples(_Builder):
         "example_id": np.int64,
         "block_id": np.int64,
         "doc_id": tfds.features.Text(),
+        "title": tfds.features.Text(),  # the sentence's document's title (v3)
         "text": tfds.features.Text(),
         "token_ids": _INT_SEQ,
         "span_starts": _INT_SEQ,
@@ -151,12 +152,16 @@ def make_masker(
     )
 
 
-def example_record(example_id, block_id, doc_id, text, ids, spans, query_len) -> dict:
-    """One examples-dataset record; spans are masking.Span tuples (positions without [CLS])."""
+def example_record(example_id, block_id, doc_id, title, text, ids, spans, query_len) -> dict:
+    """One examples-dataset record; spans are masking.Span tuples (positions without [CLS]).
+    title: the title of the sentence's document (its block's, or a separate text's document's:
+    the held-out evaluation counts retrieved blocks of that title as the sentence's own
+    document, pretrain/evaluation.py)."""
     return {
         "example_id": example_id,
         "block_id": block_id,
         "doc_id": doc_id,
+        "title": title,
         "text": text,
         "token_ids": np.asarray(tk.query_ids(ids, query_len), np.int32),
         "span_starts": np.asarray([a + 1 for a, _, _ in spans], np.int32),  # +1: [CLS]

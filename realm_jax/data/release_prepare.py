@@ -118,13 +118,14 @@ def _examples(data, masker, blocks, base: int, out: dict, stats) -> int:
     """The chunk's sentences masked and written (train or held out by their article's split
     key); returns the salient spans written. base: the corpus-wide index of the chunk's first
     sentence."""
-    texts, block_ids, doc_ids, held = [], [], [], []
+    texts, block_ids, doc_ids, titles, held = [], [], [], [], []
     for b in blocks:
         key = records.split_key(data, b.doc_id, b.title)
         for cs, ce in b.sentences:
             texts.append(b.text[cs:ce])
             block_ids.append(b.block_id)
             doc_ids.append(b.doc_id)
+            titles.append(b.title)
             held.append(is_eval(key, data.eval_fraction, data.seed))
     spans_written = 0
     for i, enc, spans in records.masked_sentences(data, masker, texts, None, stats, base):
@@ -132,7 +133,14 @@ def _examples(data, masker, blocks, base: int, out: dict, stats) -> int:
             continue
         w = out[held[i]]
         rec = records.example_record(
-            w.total, block_ids[i], doc_ids[i], texts[i], enc.ids, spans, data.query_len
+            w.total,
+            block_ids[i],
+            doc_ids[i],
+            titles[i],
+            texts[i],
+            enc.ids,
+            spans,
+            data.query_len,
         )
         w.write(rec)
         spans_written += len(spans)

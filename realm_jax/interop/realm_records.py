@@ -29,15 +29,22 @@ that is not UTF-8, offsets outside the text or inside a character) raises RealmR
 "<file>: record <n>: ..." (one line), or with skip_bad_input=True is skipped and counted as
 sentences_skipped_<kind> (a corrupt shard: the rest of that shard). Paths may be gs://.
 In code: `read_documents(spec)`, `parse_example(bytes)`, `shard_paths(spec)`.
+
+Writing (`realm-jax world` writes its text so): `write_documents(path, docs)` writes documents
+given as the reader yields them, (title, sentences) with character spans, as one GZIP TFRecord
+shard of Examples with the features above (the text: the sentences joined by single spaces);
+`encode_example(features)` serializes one tf.train.Example (protobuf's wire format, feature names
+in sorted order, int64 lists packed as TensorFlow writes them).
 """
 
 from __future__ import annotations
 
 import collections
 import glob
+import gzip
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from etils import epath
@@ -298,3 +305,90 @@ def read_documents(
 def input_files(spec: str) -> list[str]:
     """The files whose contents define the text (for prepare's fingerprint)."""
     return shard_paths(spec)
+
+
+# ------------------------------------------------------------------------------------- writing
+def _feature_bytes(name: str, values: Sequence) -> bytes:
+    """A serialized Feature: bytes_list (1) of bytes/str, float_list (2) of floats, int64_list
+    (3) of ints (packed; an empty list is an empty int64_list)."""
+    values = list(values)
+    if values and all(isinstance(v, bytes | str) for v in values):
+        raw = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+        return protowire.encode_len_field(
+            1, b"".join(protowire.encode_len_field(1, v) for v in raw)
+        )
+    if values and all(isinstance(v, float) for v in values):
+        packed = struct.pack(f"<{len(values)}f", *values)
+        return protowire.encode_len_field(2, protowire.encode_len_field(1, packed))
+    if all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values):
+        ints = [int(v) for v in values]
+        if any(not -(1 << 63) <= v < 1 << 63 for v in ints):
+            raise ValueError(f"feature {name!r}: a value does not fit int64")
+        payload = protowire.encode_packed_varints(1, ints) if ints else b""
+        return protowire.encode_len_field(3, payload)
+    kinds = sorted({type(v).__name__ for v in values})
+    raise ValueError(
+        f"feature {name!r}: values of type {', '.join(kinds)}; expected a list of bytes (or "
+        "str), of ints or of floats"
+    )
+
+
+def encode_example(features: dict[str, Sequence[bytes] | Sequence[int]]) -> bytes:
+    """A serialized tf.train.Example holding `features` ({name: list of values}: bytes or str
+    as a bytes_list, ints as an int64_list, floats as a float_list), names in sorted order so
+    that the same features give the same bytes. parse_example reads it back."""
+    entries = []
+    for name in sorted(features):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"feature name {name!r}: expected a non-empty string")
+        entry = protowire.encode_len_field(1, name.encode("utf-8")) + protowire.encode_len_field(
+            2, _feature_bytes(name, features[name])
+        )
+        entries.append(protowire.encode_len_field(1, entry))  # Features.feature: map entries
+    return protowire.encode_len_field(1, b"".join(entries))  # Example.features
+
+
+WriteDocument = tuple[str, Sequence[tuple[str, Sequence[tuple]]]]  # (title, sentences)
+
+
+def document_features(title: str, sentences: Sequence[tuple[str, Sequence[tuple]]]) -> dict:
+    """The features of one document: title, its sentences joined by single spaces as text,
+    and the byte offsets of each sentence and each span. A sentence is (text, spans), a span
+    (start, end[, label]): a character range in that sentence (end exclusive; a label is
+    ignored: the format has none), as document_sentences yields them. ValueError when a
+    sentence is empty or has surrounding whitespace, or a span is empty or outside its
+    sentence."""
+    parts: list[bytes] = []
+    feats: dict[str, list] = {k: [] for k in ("sentence_byte_start", "sentence_byte_limit")}
+    feats.update(span_byte_start=[], span_byte_limit=[])
+    pos = 0
+    for k, (sentence, spans) in enumerate(sentences):
+        where = f"document {title!r}: sentence {k}"
+        if not sentence.strip() or sentence != sentence.strip():
+            raise ValueError(f"{where}: {sentence!r} is empty or has surrounding whitespace")
+        if parts:
+            parts.append(b" ")
+            pos += 1
+        raw = sentence.encode("utf-8")
+        feats["sentence_byte_start"].append(pos)
+        feats["sentence_byte_limit"].append(pos + len(raw))
+        for span in spans:
+            s, e = int(span[0]), int(span[1])
+            if not 0 <= s < e <= len(sentence):
+                raise ValueError(f"{where}: span ({s}, {e}) is empty or outside the sentence")
+            feats["span_byte_start"].append(pos + len(sentence[:s].encode("utf-8")))
+            feats["span_byte_limit"].append(pos + len(sentence[:e].encode("utf-8")))
+        parts.append(raw)
+        pos += len(raw)
+    return {"title": [title.encode("utf-8")], "text": [b"".join(parts)], **feats}
+
+
+def write_documents(path: str, docs: Iterable[WriteDocument]) -> int:
+    """Write documents, each (title, sentences) as document_features takes them, as one REALM
+    shard at `path` (local or gs://): GZIP-compressed TFRecord of tf.train.Example, the format
+    read_documents reads (it yields the same titles, sentences and spans). The gzip header
+    holds no time and no name, so the same documents give the same bytes; the file is built
+    in memory and written whole (atomically where local). Returns the number of documents."""
+    records = [tfrecord.encode_record(encode_example(document_features(t, s))) for t, s in docs]
+    fs.write_bytes(path, gzip.compress(b"".join(records), compresslevel=6, mtime=0))
+    return len(records)

@@ -42,7 +42,8 @@ def _train(
     mesh, ddir = _setup(config, workdir)
     # the block token table [N, Lb], row-sharded: this host read only its own devices' rows
     # (and the titles of those, exchanged for the held-out evaluation's)
-    tokens = datasets.sharded_block_tokens(ddir, mesh, with_titles=tc.eval_every > 0)
+    curriculum = int(tc.get("own_block_steps", 0)) > 0
+    tokens = datasets.sharded_block_tokens(ddir, mesh, with_titles=tc.eval_every > 0 or curriculum)
     titles = tokens.titles
     if tc.eval_every > 0:
         sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
@@ -56,8 +57,13 @@ def _train(
     )
     # Everything that can refuse the data (too few examples for a batch) before the first
     # checkpoint is written.
+    gold_of = None
+    if curriculum:  # a separate text's sentences: their document's block (first of its title)
+        gold_of = {}
+        for i, t in enumerate(titles):
+            gold_of.setdefault(t, i)
     loader = pipeline.train_loader(
-        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed
+        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed, gold_of=gold_of
     )
     eval_batches = None
     if tc.eval_every > 0:
@@ -158,7 +164,10 @@ EVAL_CONSOLE_KEYS = (
     "null_doc_prob",
     "same_title_fraction",
     "same_title_random",
+    "title_recall@1",
+    "title_recall@5",
     "copy_gain",
+    "top1_share",
 )
 
 

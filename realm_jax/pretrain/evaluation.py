@@ -9,6 +9,10 @@ Metrics (averaged over the held-out examples of prepare's eval split, masks fixe
   same_title_fraction  retrieved blocks that share the query's title (the own block is
                        never retrieved, so these are real same-article hits) ...
   same_title_random    ... and the same fraction for blocks drawn uniformly at random
+  title_recall@k       queries whose top k retrieved blocks hold one of the query's title, for
+                       k = 1, 5 and K-1 (those <= K-1): with a separate pre-training text
+                       (data.sentences) whose documents carry the title of the corpus document
+                       they restate, the recall of the masked fact's own document
   same_title_prior     p(z|x) mass on retrieved blocks of the query's article ...
   same_title_posterior ... and p(z|x, y) mass (z's prior times how well the reader fills the
                        masks given z, renormalised over the K candidates). REALM's gradient
@@ -25,12 +29,21 @@ Metrics (averaged over the held-out examples of prepare's eval split, masks fixe
                        the reader reads its block. REALM's posterior can only favour the
                        blocks that help where this is above 0 (a reader that ignores its
                        block scores 0, whatever it retrieves)
+  top1_share           the share of queries whose top retrieved block is the one block most
+                       often on top (a collapse: one block retrieved for every query; warned
+                       about on the console from COLLAPSE_SHARE) ...
+  distinct_top1        ... and the number of distinct top blocks over the queries
+
+The query's title: its block's for a sentence cut from the corpus; for a separate text, its
+document's (examples carry it since prepare format v3); a title no block has leaves the query
+out of the title metrics.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +59,11 @@ from realm_jax.pretrain import step as pretrain_step
 
 SUMMED = ("loss", "accuracy", "null_only_accuracy", "retrieval_utility")  # per target
 PER_QUERY = ("retrieval_entropy", "null_doc_prob")
+RECALL_KS = (1, 5)  # title_recall@k (and @K-1)
+COLLAPSE_SHARE = 0.5  # warn when one block is the top retrieved block of this many queries
+COLLAPSE_MIN_QUERIES = 16  # ... of at least this many
+
+log = logging.getLogger("realm_jax.train")
 
 
 def eval_metrics(
@@ -140,17 +158,38 @@ class RealmEvaluator:
     """Evaluates the held-out batches against the trainer's current index."""
 
     def __init__(self, config, mesh, model, feed, batches: list[dict], titles: list[str]):
-        self.mesh, self.feed, self.batches = mesh, feed, batches
+        self.mesh, self.feed = mesh, feed
         self.fn = compile_eval(config, mesh, model, feed.num_blocks)
         self.titles = np.asarray(titles, dtype=object)
         counts = collections.Counter(titles)
         self.title_count = np.asarray([counts[t] for t in titles], np.float64)
+        first = {}
+        for i, t in enumerate(titles):
+            first.setdefault(t, i)
+        k = config.train.num_candidates - 1
+        self.ks = sorted({j for j in RECALL_KS if j <= k} | {k})
+        # Each batch's queries' titles as block indices (a block of that title; -1 none) on
+        # the host; the device batch without them.
+        self.batches, self.gold = [], []
+        for local in batches:
+            local = dict(local)
+            names = local.pop("title", None)
+            own = np.asarray(local["block_id"])
+            if names is None:  # examples of an older prepare: the own block's title only
+                gold = own.copy()
+            else:
+                gold = np.asarray([first.get(t, -1) for t in names], np.int64)
+                gold = np.where(own >= 0, own, gold)
+            self.batches.append(local)
+            self.gold.append(gold)
 
     def __call__(self, state, step: int) -> dict[str, float]:
         sums = collections.Counter()
         copy = collections.Counter()
         same = rand = n_q = prior_same = post_same = 0.0
-        for local in self.batches:
+        recall = collections.Counter()
+        tops = []
+        for local, gold in zip(self.batches, self.gold, strict=True):
             batch = sharding.global_batch(local, self.mesh)
             m = sharding.to_host(self.fn(state.params, batch, self.feed.emb, self.feed.tokens))
             n_t, b = float(m["num_targets"]), len(m["retrieved_ids"])
@@ -161,17 +200,24 @@ class RealmEvaluator:
                 sums[k] += float(m[k]) * b
             sums["queries"] += b
             own = np.asarray(local["block_id"])
-            if jax.process_count() > 1:  # the global batch's own ids, as ids are
+            if jax.process_count() > 1:  # the global batch's ids, as retrieved ids are
                 own = np.asarray(multihost_utils.process_allgather(own, tiled=True))
+                gold = np.asarray(multihost_utils.process_allgather(gold, tiled=True))
             ids = np.asarray(m["retrieved_ids"])
-            ok = own >= 0
-            hits = self.titles[ids[ok]] == self.titles[own[ok]][:, None]  # [b, K-1]
+            tops.append(ids[:, 0])
+            ok = gold >= 0
+            hits = self.titles[ids[ok]] == self.titles[gold[ok]][:, None]  # [b, K-1]
             same += hits.mean(1).sum()
+            for k in self.ks:
+                recall[k] += hits[:, :k].any(1).sum()
             # candidate 0 is the null document: never of the article
             prior_same += (np.asarray(m["prior"])[ok][:, 1:] * hits).sum()
             post_same += (np.asarray(m["posterior"])[ok][:, 1:] * hits).sum()
+            # a sentence cut from the corpus never retrieves its own block; a separate text's
+            # may retrieve any
+            cut = (own[ok] >= 0).astype(np.float64)
             n = len(self.titles)
-            rand += ((self.title_count[own[ok]] - 1) / max(n - 1, 1)).sum()
+            rand += ((self.title_count[gold[ok]] - cut) / np.maximum(n - cut, 1)).sum()
             n_q += ok.sum()
             _copy_sums(copy, m)
         out = {k: sums[k] / max(sums["targets"], 1.0) for k in SUMMED}
@@ -180,13 +226,47 @@ class RealmEvaluator:
         out["same_title_random"] = rand / max(n_q, 1.0)
         out["same_title_prior"] = prior_same / max(n_q, 1.0)
         out["same_title_posterior"] = post_same / max(n_q, 1.0)
+        out["title_queries"] = n_q
+        for k in self.ks:
+            out[f"title_recall@{k}"] = recall[k] / max(n_q, 1.0)
         out["span_in_candidates"] = copy["span_queries"] / max(copy["masked_queries"], 1.0)
         for kind in ("holds", "lacks"):
             out[f"accuracy_block_{kind}"] = copy[f"right_{kind}"] / max(copy[f"targets_{kind}"], 1)
         out["copy_gain"] = copy["gain"] / max(copy["gain_queries"], 1.0)
+        out.update(collapse_metrics(np.concatenate(tops) if tops else np.zeros(0, np.int64)))
         out["examples"] = sums["queries"]
         out["index_step"] = self.feed.step
+        warn_collapse(out, step, tops, self.titles)
         return out
+
+
+def collapse_metrics(top: np.ndarray) -> dict[str, float]:
+    """top1_share and distinct_top1 of the queries' top retrieved block ids."""
+    if len(top) == 0:
+        return {"top1_share": 0.0, "distinct_top1": 0.0}
+    _, counts = np.unique(top, return_counts=True)
+    return {"top1_share": counts.max() / len(top), "distinct_top1": float(len(counts))}
+
+
+def warn_collapse(out: dict, step: int, tops: list, titles) -> None:
+    """A console warning when one block is the top retrieved block of most held-out queries:
+    the retriever has collapsed (its scores no longer depend on the query)."""
+    if out["examples"] < COLLAPSE_MIN_QUERIES or out["top1_share"] < COLLAPSE_SHARE:
+        return
+    top = np.concatenate(tops)
+    ids, counts = np.unique(top, return_counts=True)
+    block = int(ids[counts.argmax()])
+    log.warning(
+        "retrieval collapse at step %d: block %d (%r) is the top retrieved block of %.0f%% of "
+        "%d held-out queries (%d distinct top blocks). The retriever's scores no longer depend "
+        "on the query; see docs/tutorial.md",
+        step,
+        block,
+        titles[block] if block < len(titles) else "?",
+        100 * out["top1_share"],
+        int(out["examples"]),
+        int(out["distinct_top1"]),
+    )
 
 
 def _copy_sums(acc: collections.Counter, m: dict) -> None:

@@ -75,8 +75,13 @@ def retrieve(
     num_candidates: int,
     num_valid: int,
     rng=None,
+    inject=None,
 ):
     """Embed queries, search the index, re-embed the hits with live params.
+
+    inject [B] (block ids, -1 none): a block put among query b's candidates in place of its
+    lowest-scored retrieved one when the search did not find it (train.own_block_steps'
+    copying curriculum for a separate text: the sentence's document's block).
 
     Returns (q_emb [B, D], relevance [B, K], candidate tokens [B, K, Lb], retrieved ids
     [B, K-1]). Candidate 0 is the null document, as in the release (example_generator.py
@@ -98,6 +103,11 @@ def retrieve(
         k=k,
         num_valid=num_valid,
     )  # ids [B, k], tokens [B, k, Lb]
+    if inject is not None:
+        put = (inject >= 0) & ~(ids == inject[:, None]).any(1)  # [B]
+        ids = ids.at[:, -1].set(jnp.where(put, inject, ids[:, -1]))
+        gold = mips.fetch_rows(mesh, index_tokens, jnp.maximum(inject, 0)[:, None])[:, 0]
+        tokens = tokens.at[:, -1].set(jnp.where(put[:, None], gold, tokens[:, -1]))
     B, _, Lb = tokens.shape
     flat = tokens.reshape(B * k, Lb)
     d_emb = embed_block_tokens(model, params, flat, rng).reshape(B, k, -1)  # live params: grads
@@ -163,6 +173,7 @@ def retrieve_and_read(
     num_valid: int,
     length: int,
     rng=None,
+    inject=None,
 ):
     """`retrieve` then `read_candidates`: (relevance [B, K], features [B, K, P, H], word
     embeddings [V, H], decoder bias [V], retrieved ids [B, K-1])."""
@@ -176,6 +187,7 @@ def retrieve_and_read(
         num_candidates=num_candidates,
         num_valid=num_valid,
         rng=rng,
+        inject=inject,
     )
     features, table, bias = read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
@@ -198,6 +210,7 @@ def realm_loss(
     rng=None,
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
+    A batch's "inject" [B] puts those blocks among the candidates (retrieve).
 
     vocab_chunk: vocabulary rows per step of the fused MLM softmax (fused_marginal_loss;
     0 = the whole vocabulary at once; -1 = materialise the logits, losses.marginal_loss)."""
@@ -212,6 +225,7 @@ def realm_loss(
         num_valid=num_valid,
         length=length,
         rng=rng,
+        inject=batch.get("inject"),
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
@@ -308,11 +322,18 @@ def train_step(
     grad_accum: int = 1,
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
-    the masked sentence's own block is not excluded from retrieval (train.own_block_steps).
+    the masked sentence's own block is not excluded from retrieval, and a separate text's
+    sentence gets its document's block (the batch's gold_block) among its candidates
+    (train.own_block_steps: the reader's copying curriculum).
     grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass."""
+    batch = dict(batch)
+    gold = batch.pop("gold_block", None)
     if own_block_steps > 0:
-        own = jnp.where(state.step < own_block_steps, -1, batch["block_id"])
-        batch = dict(batch, block_id=own.astype(batch["block_id"].dtype))
+        early = state.step < own_block_steps
+        if gold is not None:  # a separate text's sentence: its document's block joins
+            batch["inject"] = jnp.where(early & (batch["block_id"] < 0), gold, -1).astype(jnp.int32)
+        own = jnp.where(early, -1, batch["block_id"])
+        batch["block_id"] = own.astype(batch["block_id"].dtype)
     rng = None  # dropout keys depend only on (seed, step): the same on any mesh
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)

@@ -734,3 +734,88 @@ def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
     np.testing.assert_array_equal(metrics(0), nothing_excluded)
     np.testing.assert_array_equal(metrics(1), nothing_excluded)
     np.testing.assert_array_equal(excluded, metrics(3))
+
+
+def test_copying_curriculum_puts_the_documents_block_among_the_candidates(setup):
+    """retrieve(inject=...): a block the search did not find takes the last retrieved place
+    (its tokens fetched from the index), one it found stays where it is, -1 changes nothing;
+    against the numpy top-k."""
+    config, mesh, model, _, state, _, emb, tokens, index, batch = setup
+    fn = jax.jit(
+        functools.partial(
+            pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        )
+    )
+    batch = dict(batch, block_id=np.full_like(batch["block_id"], -1))
+    g = sharding.global_batch(batch, mesh)
+    _, _, _, plain = fn(state.params, g, *index)
+    plain = np.asarray(plain)
+    # query 0: a block far down its ranking; query 1: its own first hit; the rest: none
+    q = np.asarray(
+        pretrain_step.retrieve(
+            state.params, g, *index, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        )[0],
+        np.float64,
+    )
+    order = np.argsort(-(q @ emb.T.astype(np.float64)), axis=1)
+    inject = np.full(len(plain), -1, np.int32)
+    inject[0], inject[1] = order[0, -1], plain[1, 0]
+    _, _, cands, ids = fn(state.params, g, *index, inject=jnp.asarray(inject))
+    ids, cands = np.asarray(ids), np.asarray(cands)
+    np.testing.assert_array_equal(ids[0], [*plain[0, :2], order[0, -1]])
+    np.testing.assert_array_equal(cands[0, 3], tokens[order[0, -1]])
+    np.testing.assert_array_equal(ids[1:], plain[1:])  # found already, or nothing to inject
+
+
+def test_evaluator_scores_a_separate_texts_sentences_by_title(setup):
+    """Sentences of a separate text (block_id -1) carry their document's title: the title
+    metrics count retrieved blocks of that title (none excluded), title_recall@k and the
+    collapse metrics, against a numpy brute force; a title no block has leaves the query out."""
+    from realm_jax.pretrain.evaluation import RealmEvaluator
+
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    titles = [f"t{i % 7}" for i in range(len(emb))]
+
+    class Feed:
+        num_blocks, step = len(emb), 0
+
+    Feed.emb, Feed.tokens = index
+    B = len(batch["block_id"])
+    names = np.asarray([titles[(3 * b) % len(emb)] for b in range(B)], dtype=object)
+    names[-1] = "a title no block has"
+    sep = dict(batch, block_id=np.full(B, -1, batch["block_id"].dtype), title=names)
+    got = RealmEvaluator(config, mesh, model, Feed, [sep], titles)(state, 0)
+
+    params = jax.device_get(state.params)
+    q = batch["query_ids"]
+    q_emb = np.asarray(
+        model.apply({"params": params}, q, np.zeros_like(q), (q != 0) * 1, method="embed_query")
+    )
+    top = np.argsort(-(q_emb.astype(np.float64) @ emb.T.astype(np.float64)), axis=1)
+    top = top[:, : config.train.num_candidates - 1]
+    t = np.asarray(titles)
+    ok = np.arange(B) < B - 1
+    hits = t[top[ok]] == names[ok][:, None]
+    assert got["title_queries"] == ok.sum()
+    np.testing.assert_allclose(got["same_title_fraction"], hits.mean(1).mean(), rtol=1e-6)
+    for k in {1, config.train.num_candidates - 1}:
+        np.testing.assert_allclose(got[f"title_recall@{k}"], hits[:, :k].any(1).mean())
+    counts = np.array([titles.count(n) for n in names[ok]])
+    np.testing.assert_allclose(got["same_title_random"], (counts / len(t)).mean())
+    _, c = np.unique(top[:, 0], return_counts=True)
+    assert got["top1_share"] == pytest.approx(c.max() / B)
+    assert got["distinct_top1"] == len(c)
+
+
+def test_gold_block_of_an_example():
+    """The copying curriculum's block: the own block, else the first block of the document's
+    title (bytes or str, as TFDS gives it), else -1."""
+    from realm_jax.data import pipeline
+
+    gold_of = {"Ada": 4, "Bo": 9}
+    assert pipeline.gold_block({"block_id": 2, "title": b"Bo"}, gold_of) == 2
+    assert pipeline.gold_block({"block_id": -1, "title": b"Bo"}, gold_of) == 9
+    assert pipeline.gold_block({"block_id": -1, "title": "Ada"}, gold_of) == 4
+    assert pipeline.gold_block({"block_id": -1, "title": b"Cy"}, gold_of) == -1
+    assert pipeline.gold_block({"block_id": -1}, gold_of) == -1

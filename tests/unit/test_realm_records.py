@@ -327,7 +327,7 @@ def test_prepare_takes_sentences_and_spans_from_the_shards(tmp_path, shards, cor
 
 def test_random_masking_ignores_the_spans(tmp_path, shards, corpus, no_ner):
     data = _config(corpus, shards).data
-    texts, _, _, _, given = local_prepare.pretraining_sentences(data, [], collections.Counter())
+    texts, _, _, _, _, given = local_prepare.pretraining_sentences(data, [], collections.Counter())
     assert len(texts) == len(given) == 6
     s = P.prepare(_config(corpus, shards, "data.masking=random"), str(tmp_path / "d"))
     assert s["masking"] == "random" and s["counts"]["examples"] == 6
