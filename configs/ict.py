@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "small": (128, 2000, 1e-4, 200, 500, 2048),
         "base": (4096, 100_000, 1e-4, 10_000, 5000, 4096),
         "squad": (64, 600, 2e-4, 60, 200, 1024),
-        "world": (64, 300, 1e-4, 30, 100, 1024),
+        "world": (64, 400, 3e-4, 30, 100, 256),
     }[variant]
     t.batch_size, t.steps, t.lr, t.warmup_steps, t.eval_every, t.eval_examples = sizes
     t.checkpoint_every = t.eval_every  # steps between checkpoints
@@ -45,6 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # its embedders to a tenth, which made ICT learn at a tenth: issue 22)
     t.embedder_lr_scale = 1.0  # the embedders' LR relative to train.lr
     t.embedders_frozen_steps = 0  # ICT trains the embedders alone: from its first step
+    t.embedders_warmup_steps = 0  # (no late start)
     t.own_block_steps = 0  # (REALM pre-training only)
     return c
 

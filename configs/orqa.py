@@ -85,6 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the query embedder's LR relative to the reader's
     t.embedder_lr_scale = 0.2 if variant == "squad" else 1.0
     t.embedders_frozen_steps = 0  # the query embedder trains from the first step, as in ORQA
+    t.embedders_warmup_steps = 0  # (no late start)
     t.own_block_steps = 0  # (REALM pre-training only)
     t.log_every = 10 if variant != "base" else 100
     t.checkpoint_every = {"smoke": 20, "squad": 500}.get(variant, 1000)

@@ -171,12 +171,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the first N steps train the reader alone, the retriever frozen (a reader warm-up, not in
     # the release: REALM there starts from a BERT-base reader that already fills in blanks)
     c.train.embedders_frozen_steps = 0  # steps before the embedders train; 0 = from the start
+    # then their LR rises linearly from 0 over this many steps (a warmup of their own; the
+    # schedule's warmup is long over when they start late). 0: their full LR at once
+    c.train.embedders_warmup_steps = 0  # steps of the embedders' own warmup; 0 = none
     # the first N steps may retrieve the masked sentence's own block (the release always
     # excludes it, so that the retriever learns no trivial match), and a separate text's
     # sentence (data.sentences) gets the block of its document's title put among its
     # candidates: with the embedders frozen that long, a copying curriculum for the reader's
     # warm-up (the retriever learns nothing from it); at most embedders_frozen_steps
     c.train.own_block_steps = 0  # steps of the copying curriculum (above); 0 = none
+    # The null document (candidate 0): "scored" as the release scores it, the empty block
+    # embedded by the live document embedder like any block; or "fixed", its prior 1/K for
+    # every query (no gradient), a deviation from the release that docs/tutorial.md measures:
+    # a scored null document's one embedding can take every query's mass at once.
+    c.train.null_doc = "scored"  # "scored" or "fixed" (above)
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2
@@ -273,18 +281,42 @@ def _squad(c: ml_collections.ConfigDict) -> None:
 
 
 def _world(c: ml_collections.ConfigDict) -> None:
-    """The generated world's sizes (`realm-jax world` writes it into its --workdir; the data
-    paths below expect runs/world) and the recipe that learns there (docs/tutorial.md)."""
+    """The generated world (`realm-jax world` writes it into its --workdir; the data paths
+    below expect runs/world) and the recipe that learns there (docs/tutorial.md): bert-tiny,
+    the embedders warm-started by ICT (`configs/ict.py:world` into runs/world-ict), then a
+    copying curriculum for the reader with the embedders frozen, then REALM."""
     w = c.world = ml_collections.ConfigDict()
-    w.entities = 1000  # people the pre-training text tells about (each one knowledge document)
-    w.distractors = 1000  # people with a knowledge document the text never mentions
+    w.entities = 500  # people the pre-training text tells about (each one knowledge document)
+    w.distractors = 500  # people with a knowledge document the text never mentions
     w.sentences_per_entity = 3  # pre-training sentences per person, one fact each
     w.mention = "name"  # how a sentence names its person: "name" or "attributes" (no name)
     w.seed = 0  # the world's seed: the same seed, the same files
     w.shards = 2  # TFRecord shards of the pre-training text
+    # "words": two ordinary vocab words ("Harbor Quill"), which bert-tiny's embeddings tell
+    # apart; "made_up": syllables ("Chaenstur Coti"), several shared wordpieces a name, which
+    # ICT from bert-tiny did not learn to match in 300 steps (held-out recall@5 0.6%)
+    w.names = "words"  # "words" or "made_up" (above)
     c.data.corpus = "runs/world/corpus.jsonl"  # the knowledge documents
     c.data.sentences = "runs/world/text"  # REALM's annotated-shard format: spans given
     c.data.data_dir = "runs/world-data"  # shared by the ICT and REALM runs
-    c.data.block_len = 64  # a knowledge document fits one block
-    c.data.query_len = 32  # one sentence
+    c.data.block_len = 48  # a knowledge document fits one block (the longest: 44)
+    c.data.query_len = 24  # one sentence (the longest: 19)
     c.data.eval_fraction = 0.2  # a fifth of the people held out (their sentences, never trained)
+    c.model.init_embedders_from_ict = "runs/world-ict"  # `ict --config configs/ict.py:world`
+    t = c.train
+    t.batch_size = 16  # global batch
+    t.steps = 400  # optimizer steps
+    t.lr = 5e-4  # peak LR, the same for the reader and the embedders
+    t.warmup_steps = 20  # linear warmup
+    # The copying curriculum (docs/tutorial.md): for its first 100 steps the reader reads each
+    # sentence's own document alone and the embedders do not train; REALM from then on.
+    t.embedders_frozen_steps = 100  # steps before the embedders train
+    t.own_block_steps = 100  # the copying curriculum's steps
+    t.log_every = 20  # steps between logs
+    t.checkpoint_every = 100  # steps between checkpoints
+    t.eval_every = 50  # steps between held-out evaluations
+    t.eval_batch_size = 32  # evaluation batch
+    t.eval_examples = 256  # held-out sentences evaluated (of about 270)
+    c.refresh.mode = "inprocess"  # re-embed the 1,000 blocks between steps (a second)
+    c.refresh.every = 20  # steps between refreshes
+    c.refresh.embed_batch_size = 256  # blocks per embedding call

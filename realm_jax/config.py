@@ -67,6 +67,7 @@ SHARED_TRAIN_FIELDS = (
     "train.num_candidates",  # REALM's candidates: ICT and fine-tuning do not read it
     "train.mlm_vocab_chunk",  # REALM's MLM head: ICT and fine-tuning have none
     "train.grad_accum",  # REALM's micro-batches: ICT and fine-tuning take one pass
+    "train.null_doc",  # REALM's null document: ICT and fine-tuning have none
 )
 
 
@@ -222,6 +223,7 @@ CHOICES = {
     "task": ("realm", "ict", "qa"),
     "data.masking": ("salient", "random"),
     "data.mask_mode": ("salient", "random_span", "uniform"),  # = data/masking.py MASK_MODES
+    "train.null_doc": ("scored", "fixed"),  # = pretrain/step.py NULL_DOCS
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),
     "refresh.mode": ("external", "inprocess", "amortized"),
@@ -258,6 +260,7 @@ RANGES = {
     "train.embedder_lr_scale": _at_least(0),
     "train.embedders_frozen_steps": _at_least(0),
     "train.own_block_steps": _at_least(0),
+    "train.embedders_warmup_steps": _at_least(0),
     "train.weight_decay": _at_least(0),
     "train.grad_clip": ((lambda v: v > 0), "positive"),
     "train.mlm_vocab_chunk": ((lambda v: v >= -1), "-1 (dense logits), 0 (all) or positive"),

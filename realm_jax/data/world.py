@@ -8,9 +8,12 @@ year (1900-1999) and a profession (one of PROFESSIONS); every city, year and pro
 wordpiece of the bert-base-uncased vocab. config.world.entities of them are told about by a
 pre-training text; config.world.distractors more have a knowledge document that the text never
 mentions. No two people share their (city, profession), (profession, year) or (city, year) pair,
-so two of a person's attributes identify that one person. Names are two made-up words built from
-syllables: never a word of the vocab, never holding a city or profession, unique, and no name is
-the start of another.
+so two of a person's attributes identify that one person. Names (config.world.names) are two
+made-up words built from syllables ("made_up": never a word of the vocab, never holding a city
+or profession, unique, and no name is the start of another), or two ordinary words of the vocab
+("words": each ONE wordpiece, alphabetic, 5-10 letters, no city or profession; every word names
+at most one person's first part and one's last part, so that a BERT's word embeddings, which
+know every part, can tell the people apart: "Harbor Quill").
 
 Written into --workdir (config.world: entities, distractors, sentences_per_entity, mention,
 seed, shards):
@@ -67,6 +70,7 @@ TEXT_DIR = "text"
 QA = "qa.jsonl"
 PEOPLE = "people.jsonl"
 MENTIONS = ("name", "attributes")
+NAMES = ("made_up", "words")
 ATTRIBUTES = ("city", "year", "profession")
 
 # Well-known cities and professions, each one wordpiece of bert-base-uncased (tests check it);
@@ -163,6 +167,7 @@ class Settings:
     mention: str
     seed: int
     shards: int
+    names: str = "made_up"
 
     @classmethod
     def from_config(cls, config) -> Settings:
@@ -174,6 +179,8 @@ class Settings:
         w = config.world
         values = {}
         for field in dataclasses.fields(cls):
+            if field.name not in w and field.default is not dataclasses.MISSING:
+                continue
             if field.name not in w:
                 raise ConfigError(f"config.world has no {field.name!r} (configs/realm.py:world)")
             values[field.name] = w[field.name]
@@ -196,6 +203,10 @@ class Settings:
         if self.mention not in MENTIONS:
             raise ConfigError(
                 f"config.world.mention={self.mention!r}: must be one of {', '.join(MENTIONS)}"
+            )
+        if self.names not in NAMES:
+            raise ConfigError(
+                f"config.world.names={self.names!r}: must be one of {', '.join(NAMES)}"
             )
         if self.shards > self.entities:
             raise ConfigError(
@@ -306,6 +317,38 @@ def _names(seed: int, n: int) -> list[str]:
     return names
 
 
+@functools.lru_cache(maxsize=1)
+def _name_words() -> tuple[str, ...]:
+    """The vocab's words fit for a "words" name: one wordpiece, alphabetic, 5-10 letters, none
+    a city, profession or a word of the templates, in vocab order."""
+    taken = set(_taken_words())
+    for table in (KNOWLEDGE, TEXT_BY_NAME, TEXT_BY_ATTRIBUTES, QUESTIONS):
+        for templates in table.values():
+            for t in templates if isinstance(templates, (list, tuple)) else (templates,):
+                taken.update(w.lower() for w in re.findall(r"[A-Za-z]+", t))
+    out = []
+    with open(tk.VOCAB_PATH, encoding="utf-8") as f:
+        for line in f:
+            w = line.strip()
+            if 5 <= len(w) <= 10 and w.isascii() and w.isalpha() and w not in taken:
+                out.append(w)
+    return tuple(out)
+
+
+def _word_names(seed: int, n: int) -> list[str]:
+    """n names of two vocab words each (config.world.names="words"): 2n distinct words drawn
+    at random, so that no word is in two names."""
+    words = _name_words()
+    if 2 * n > len(words):
+        raise ConfigError(
+            f"config.world: {n} people need {2 * n} name words; the vocab has {len(words)}"
+        )
+    drawn = _rng(seed, "word-names").sample(words, 2 * n)
+    return [
+        f"{a.capitalize()} {b.capitalize()}" for a, b in zip(drawn[::2], drawn[1::2], strict=True)
+    ]
+
+
 def _attributes(seed: int, n: int) -> list[tuple[str, int, str]]:
     """n (city, year, profession) triples, no pair of any two kinds shared by two of them:
     drawn uniformly among the free triples (a few random tries, then all free ones)."""
@@ -339,7 +382,9 @@ def make_people(settings: Settings) -> list[Person]:
     """Every person (entities and distractors), in id order; the distractors drawn at random."""
     n = settings.entities + settings.distractors
     width = max(5, len(str(n - 1)))
-    names = _names(settings.seed, n)
+    names = (
+        _names(settings.seed, n) if settings.names == "made_up" else _word_names(settings.seed, n)
+    )
     attributes = _attributes(settings.seed, n)
     distractors = set(_rng(settings.seed, "roles").sample(range(n), settings.distractors))
     return [

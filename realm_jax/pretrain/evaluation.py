@@ -78,6 +78,7 @@ def eval_metrics(
     num_valid,
     length,
     vocab_chunk,
+    fixed_null: bool = False,
 ):
     """Metrics of one held-out batch (no dropout) + the retrieved ids [B, K-1]."""
     _, relevance, cands, ids = pretrain_step.retrieve(
@@ -89,6 +90,7 @@ def eval_metrics(
         mesh=mesh,
         num_candidates=num_candidates,
         num_valid=num_valid,
+        fixed_null=fixed_null,
     )
     features, table, bias = pretrain_step.read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length
@@ -145,6 +147,7 @@ def compile_eval(config, mesh, model, num_valid: int):
         num_valid=num_valid,
         length=joint_len(config),
         vocab_chunk=max(config.train.mlm_vocab_chunk, 0),
+        fixed_null=pretrain_step.fixed_null(config),
     )
     rows = sharding.rows_sharding(mesh)
     return jax.jit(

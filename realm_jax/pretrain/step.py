@@ -76,12 +76,16 @@ def retrieve(
     num_valid: int,
     rng=None,
     inject=None,
+    fixed_null: bool = False,
 ):
     """Embed queries, search the index, re-embed the hits with live params.
 
+    fixed_null: the null document's prior is 1/K whatever the query (train.null_doc
+    "fixed"), its score that of the retrieved blocks' mean probability, without gradient.
+
     inject [B] (block ids, -1 none): a block put among query b's candidates in place of its
     lowest-scored retrieved one when the search did not find it (train.own_block_steps'
-    copying curriculum for a separate text: the sentence's document's block).
+    copying curriculum for a separate text: the sentence's document's block; realm_loss).
 
     Returns (q_emb [B, D], relevance [B, K], candidate tokens [B, K, Lb], retrieved ids
     [B, K-1]). Candidate 0 is the null document, as in the release (example_generator.py
@@ -123,6 +127,10 @@ def retrieve(
     )  # [B, D]
     d_emb = jnp.concatenate([null_emb[:, None], d_emb], axis=1)  # [B, K, D]
     relevance = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
+    if fixed_null:
+        rest = relevance[:, 1:]
+        null = jax.nn.logsumexp(rest, axis=1) - jnp.log(rest.shape[1])
+        relevance = relevance.at[:, 0].set(jax.lax.stop_gradient(null))
     cands = jnp.concatenate([null_block_tokens(B, Lb)[:, None].astype(tokens.dtype), tokens], 1)
     return q_emb, relevance, cands, ids
 
@@ -174,6 +182,7 @@ def retrieve_and_read(
     length: int,
     rng=None,
     inject=None,
+    fixed_null: bool = False,
 ):
     """`retrieve` then `read_candidates`: (relevance [B, K], features [B, K, P, H], word
     embeddings [V, H], decoder bias [V], retrieved ids [B, K-1])."""
@@ -188,6 +197,7 @@ def retrieve_and_read(
         num_valid=num_valid,
         rng=rng,
         inject=inject,
+        fixed_null=fixed_null,
     )
     features, table, bias = read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
@@ -208,6 +218,7 @@ def realm_loss(
     length: int,
     vocab_chunk: int = 0,
     rng=None,
+    fixed_null: bool = False,
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
     A batch's "inject" [B] puts those blocks among the candidates (retrieve).
@@ -226,17 +237,48 @@ def realm_loss(
         length=length,
         rng=rng,
         inject=batch.get("inject"),
+        fixed_null=fixed_null,
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
-    if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
-        logits = tied_decoder_logits(features, table, bias)
-        loss, metrics = losses.marginal_loss(relevance, logits, targets, weights)
+
+    def marginal(rel):
+        if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
+            logits = tied_decoder_logits(features, table, bias)
+            return losses.marginal_loss(rel, logits, targets, weights)
+        return fused_marginal_loss(rel, features, table, bias, targets, weights, chunk=vocab_chunk)
+
+    inject = batch.get("inject")
+    if inject is None:
+        loss, metrics = marginal(relevance)
     else:
-        loss, metrics = fused_marginal_loss(
-            relevance, features, table, bias, targets, weights, chunk=vocab_chunk
-        )
+        loss, metrics = curriculum_loss(marginal, relevance, ids, inject)
     metrics["retrieved_ids"] = ids
     return loss, metrics
+
+
+def curriculum_loss(marginal, relevance, ids, inject):
+    """The copying curriculum's loss (train.own_block_steps with a separate text), for the
+    queries given their document's block z* (inject >= 0; the others: REALM's loss): the mean
+    of -log p(y | x, z*), the reader reading z* alone (its prior set to 1), and REALM's
+    marginal loss over the other candidates (z* left out, the null document in).
+
+    A deviation from the release, whose BERT-base reader already copies: bert-tiny's reader
+    given z* only at its prior (a tenth of the mass, or less, for a block the search ranked
+    low) had not learned to copy after 150 steps at 1e-3, and one given z* alone copied from
+    any block, right or wrong; once the retriever trained, every query whose own block was not
+    retrieved preferred the null document to the confidently wrong copies, and the null
+    document's score rose for every query at once: p(null) 0.89 within 20 steps, one block
+    the top of every query by 50 (docs/tutorial.md). The second term teaches the reader not to
+    copy from a block about someone else."""
+    B = relevance.shape[0]
+    gold = jnp.concatenate([jnp.zeros((B, 1), bool), ids == inject[:, None]], axis=1)  # [B, K]
+    on = (inject >= 0)[:, None]
+    alone, m_alone = marginal(jnp.where(on & ~gold, -1e9, relevance))
+    others, m_others = marginal(jnp.where(on & gold, -1e9, relevance))
+    metrics = dict(m_others)
+    metrics["loss"] = (alone + others) / 2
+    metrics["curriculum_copy_accuracy"] = m_alone["accuracy"]
+    return metrics["loss"], metrics
 
 
 # Metrics that marginal_metrics averages over the batch's real targets, and the one it sums;
@@ -320,6 +362,7 @@ def train_step(
     seed: int = 0,
     own_block_steps: int = 0,
     grad_accum: int = 1,
+    fixed_null: bool = False,
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
     the masked sentence's own block is not excluded from retrieval, and a separate text's
@@ -345,6 +388,7 @@ def train_step(
         num_valid=num_valid,
         length=length,
         vocab_chunk=vocab_chunk,
+        fixed_null=fixed_null,
     )
     if grad_accum > 1:
         grads, metrics = accumulated_grads(
@@ -376,6 +420,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         seed=config.train.seed,
         own_block_steps=int(config.train.get("own_block_steps", 0)),
         grad_accum=int(config.train.get("grad_accum", 1)),
+        fixed_null=fixed_null(config),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(
@@ -403,5 +448,20 @@ def compile_loss(config, mesh: Mesh, model, num_valid: int):
         num_valid=num_valid,
         length=joint_len(config),
         vocab_chunk=config.train.mlm_vocab_chunk,
+        fixed_null=fixed_null(config),
     )
     return jax.jit(lambda *a: fn(*a)[1], out_shardings=NamedSharding(mesh, P()))
+
+
+NULL_DOCS = ("scored", "fixed")
+
+
+def fixed_null(config) -> bool:
+    """train.null_doc: "scored" (the release: the empty block embedded and scored like any
+    block) or "fixed" (its prior 1/K for every query: retrieve)."""
+    mode = config.train.get("null_doc", "scored")
+    if mode not in NULL_DOCS:
+        from realm_jax.config import ConfigError
+
+        raise ConfigError(f"train.null_doc={mode!r}: must be one of {', '.join(NULL_DOCS)}")
+    return mode == "fixed"

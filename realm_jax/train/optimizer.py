@@ -47,23 +47,28 @@ class ScaleNetworksState(NamedTuple):
 
 
 def scale_networks(
-    factor: float, names=EMBEDDERS, frozen_steps: int = 0
+    factor: float, names=EMBEDDERS, frozen_steps: int = 0, warmup_steps: int = 0
 ) -> optax.GradientTransformation:
     """Multiply the updates of the named top-level networks by `factor` (their learning rate
     relative to the rest); other networks' updates pass through. frozen_steps > 0: the named
-    networks take no step (factor 0, no weight decay) for the first frozen_steps updates."""
+    networks take no step (factor 0, no weight decay) for the first frozen_steps updates.
+    warmup_steps > 0: from then on their factor rises linearly from 0 over warmup_steps
+    updates (a warmup of their own when they start training late)."""
+    counted = frozen_steps > 0 or warmup_steps > 0
 
     def init(params):
         del params
-        if frozen_steps <= 0:
+        if not counted:
             return optax.EmptyState()
         return ScaleNetworksState(count=jnp.zeros([], jnp.int32))
 
     def update(updates, state, params=None):
         del params
         f = factor
-        if frozen_steps > 0:
-            f = jnp.where(state.count < frozen_steps, 0.0, factor)
+        if counted:
+            since = (state.count - frozen_steps).astype(jnp.float32)
+            ramp = jnp.clip((since + 1) / max(warmup_steps, 1), 0.0, 1.0) if warmup_steps else 1
+            f = jnp.where(state.count < frozen_steps, 0.0, factor * ramp)
             state = ScaleNetworksState(count=optax.safe_int32_increment(state.count))
         return {
             k: jax.tree.map(lambda u: u * f, v) if k in names else v for k, v in updates.items()
@@ -75,11 +80,15 @@ def scale_networks(
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """AdamW as in BERT, with global-norm clipping; the embedders' steps scaled by
     train.embedder_lr_scale (1 = one learning rate for every network, as the release) and
-    frozen for the first train.embedders_frozen_steps (a reader warm-up; 0 = none)."""
+    frozen for the first train.embedders_frozen_steps (a reader warm-up; 0 = none), then
+    warmed up over train.embedders_warmup_steps (0 = none)."""
     extra = []
     frozen = int(train_cfg.get("embedders_frozen_steps", 0))
-    if train_cfg.embedder_lr_scale != 1.0 or frozen > 0:
-        extra.append(scale_networks(train_cfg.embedder_lr_scale, frozen_steps=frozen))
+    warm = int(train_cfg.get("embedders_warmup_steps", 0))
+    if train_cfg.embedder_lr_scale != 1.0 or frozen > 0 or warm > 0:
+        extra.append(
+            scale_networks(train_cfg.embedder_lr_scale, frozen_steps=frozen, warmup_steps=warm)
+        )
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(

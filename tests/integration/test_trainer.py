@@ -460,6 +460,14 @@ def test_embedders_frozen_steps_hold_the_embedders_then_release_them():
     np.testing.assert_allclose(first["query_embedder"]["w"], 0.0)
     np.testing.assert_allclose(first["reader"]["w"], -1.0)
     np.testing.assert_allclose(second["doc_embedder"]["w"], -0.1)  # -0.5 * 2 * 0.1
+    # train.embedders_warmup_steps: after the frozen update, a ramp of 4: 1/4, 2/4, 3/4, 1, 1
+    sgd = optax.chain(optax.sgd(0.5), scale_networks(0.1, frozen_steps=1, warmup_steps=4))
+    state, got = sgd.init(params), []
+    for _ in range(6):
+        u, state = sgd.update(grads, state, params)
+        got.append(float(u["query_embedder"]["w"][0]))
+        np.testing.assert_allclose(u["reader"]["w"], -1.0)
+    np.testing.assert_allclose(got, [0.0, -0.025, -0.05, -0.075, -0.1, -0.1], rtol=1e-6)
 
 
 def test_refresher_never_publishes_non_finite_embeddings(data_dir, tmp_path, caplog):

@@ -21,6 +21,7 @@ from tests.conftest import REPO
 
 CONFIG = os.path.join(REPO, "configs", "realm.py")
 SMALL = dict(entities=30, distractors=20, sentences_per_entity=4, mention="name", seed=0, shards=2)
+# (names: the Settings default "made_up"; the world config sets "words")
 
 
 def settings(**kw) -> W.Settings:
@@ -115,7 +116,8 @@ def test_people_names_and_attribute_pairs_are_unique(named):
 def test_config_checks():
     config = load_config(f"{CONFIG}:world")
     s = W.Settings.from_config(config)
-    assert (s.entities, s.distractors, s.mention, s.shards) == (1000, 1000, "name", 2)
+    assert (s.entities, s.distractors, s.mention, s.shards) == (500, 500, "name", 2)
+    assert s.names == "words"
     with pytest.raises(ConfigError, match="configs/realm.py:world"):
         W.Settings.from_config(load_config(f"{CONFIG}:smoke"))
     for bad, match in (
@@ -123,6 +125,7 @@ def test_config_checks():
         (dict(entities=0), "entities"),
         (dict(shards=31), "shards"),
         (dict(entities=3000, distractors=2000), "exceed"),
+        (dict(names="initials"), "names"),
     ):
         with pytest.raises(ConfigError, match=match):
             settings(**bad).check()
@@ -142,7 +145,22 @@ def test_knowledge_documents_fit_one_block(named):
         for value in (p["city"], str(p["year"]), p["profession"]):
             assert mentions(value, text) == 1, (value, text)
         ids, _ = tk.block_ids(*[e.ids for e in tk.wordpieces([title, text])], 10_000)
-        assert len(ids) <= 56, (len(ids), text)  # one 64-wordpiece block, with room
+        assert len(ids) <= 48, (len(ids), text)  # one block of configs/realm.py:world
+
+
+def test_word_names_are_two_one_piece_words_none_shared():
+    """names="words": each part ONE wordpiece of the vocab (so BERT's embeddings know it),
+    no word in two names, none a city, profession or template word; the text's spans still
+    the knowledge document's values."""
+    world = W.generate(settings(names="words", entities=200, distractors=100))
+    parts = [w.lower() for p in world.people for w in p.name.split()]
+    assert len(parts) == len(set(parts)) == 600
+    taken = {w.lower() for w in (*W.CITIES, *W.PROFESSIONS)} | {"born", "lives", "works"}
+    assert not taken & set(parts)
+    for enc in tk.wordpieces(parts):
+        assert len(enc.ids) == 1
+    with pytest.raises(ConfigError, match="name words"):
+        W._word_names(0, len(W._name_words()) // 2 + 1)
 
 
 # ---------------------------------------------------------------------- the annotated text
@@ -345,7 +363,7 @@ def test_command_writes_every_file_and_reruns(tmp_path, capsys):
     shards = [os.path.join(*n.split("/")) for n in W.shard_names(2)]
     assert set(written) == {W.CORPUS, W.QA, W.PEOPLE, W.MANIFEST, *shards}
     manifest = json.loads(written[W.MANIFEST])
-    assert manifest["world"] == SMALL and manifest["complete"]
+    assert manifest["world"] == {**SMALL, "names": "words"} and manifest["complete"]
     assert manifest["counts"]["text_sentences"] == 120 and manifest["counts"]["questions"] == 90
     assert cli.main(argv) == 0  # the same world again: fine, the same bytes
     assert tree(out) == written

@@ -1,0 +1,167 @@
+"""Watch REALM learn in a generated world (issue 39) -> this study's README.md and the
+tutorial's plot (docs/tutorial_world.png).
+
+    python experiments/world/world_study.py [--root runs/world-study] [--arms realm,frozen]
+
+Runs, as a user would (`python -m realm_jax ...` with configs/realm.py:world and
+configs/ict.py:world), into --root: the world (`world`), its prepared data (`prepare`), the
+ICT warm start (`ict`), then one REALM pre-training run (`train`) per arm, each evaluated every
+50 steps on the held-out people's sentences. An arm that already finished is read, not rerun
+(--rerun to redo). Arms (ARMS): realm (the recipe), frozen (the same run, the embedders never
+train: the control), random_span / uniform (data.mask_mode), stale (refresh.every 30 x the
+recipe's: the index never refreshed in the run). Then the table (title_recall@1 and @5 of
+the masked fact's own document, accuracy, null-only accuracy, top1_share) at the end of the
+copying curriculum and at the last step, and the plot of recall and accuracy against steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:  # run as a script: the repo root, so the sibling packages import
+    sys.path.insert(0, REPO)
+
+from benchmarks._report import write_section  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+PLOT = os.path.join(REPO, "docs", "tutorial_world.png")
+REALM, ICT = "configs/realm.py:world", "configs/ict.py:world"
+ARMS = {
+    "realm": [],
+    "frozen": ["--config.train.embedders_frozen_steps=400"],
+    "random_span": ["--config.data.mask_mode=random_span"],
+    "uniform": ["--config.data.mask_mode=uniform"],
+    "stale": ["--config.refresh.every=600"],
+}
+KEYS = (
+    ("title_recall@1", "recall@1"),
+    ("title_recall@5", "recall@5"),
+    ("accuracy", "accuracy"),
+    ("null_only_accuracy", "null-only accuracy"),
+    ("top1_share", "top-1 share"),
+)
+
+
+def run(args: list[str], log: str) -> None:
+    cmd = [sys.executable, "-m", "realm_jax", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t = time.time()
+    with open(log, "w") as f:
+        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+    print(f"  done in {time.time() - t:.0f} s (log {log})", flush=True)
+
+
+def done(workdir: str) -> bool:
+    import json
+
+    path = os.path.join(workdir, "metrics.json")
+    return os.path.exists(path) and json.load(open(path)).get("complete", False)
+
+
+def history(workdir: str) -> dict[str, dict[int, float]]:
+    from realm_jax.train.metrics import read_scalars
+
+    tags = read_scalars(workdir)
+    return {k: tags[f"eval/{k.replace('@', '_at_')}"] for k, _ in KEYS}
+
+
+def plot(runs: dict[str, dict], curriculum: int, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for arm, style in (("realm", "-o"), ("frozen", "--s")):
+        if arm not in runs:
+            continue
+        h = runs[arm]
+        label = "REALM" if arm == "realm" else "control: retriever frozen"
+        for ax, key in zip(axes, ("title_recall@5", "accuracy"), strict=True):
+            steps = sorted(h[key])
+            ax.plot(steps, [h[key][s] for s in steps], style, label=label, markersize=4)
+    h = runs.get("realm") or next(iter(runs.values()))
+    steps = sorted(h["null_only_accuracy"])
+    axes[1].plot(
+        steps, [h["null_only_accuracy"][s] for s in steps], ":", label="null document only"
+    )
+    for ax, title in zip(
+        axes, ("recall@5 of the masked fact's own document", "masked-span accuracy"), strict=True
+    ):
+        ax.axvspan(0, curriculum, color="0.92")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step (shaded: copying curriculum, retriever frozen)", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Held-out people of the generated world (configs/realm.py:world)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default="runs/world-study", help="folder of every run (from the repo)")
+    p.add_argument("--arms", default="realm,frozen", help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--rerun", action="store_true", help="run finished arms again")
+    p.add_argument("--no_plot", action="store_true", help="do not write docs/tutorial_world.png")
+    a = p.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
+    root = os.path.join(REPO, a.root) if not os.path.isabs(a.root) else a.root
+    os.makedirs(root, exist_ok=True)
+    world, data, ict = (os.path.join(root, n) for n in ("world", "data", "ict"))
+    paths = [
+        f"--config.data.corpus={world}/corpus.jsonl",
+        f"--config.data.sentences={world}/text",
+        f"--config.data.data_dir={data}",
+    ]
+    if not os.path.exists(os.path.join(world, "world.json")):
+        run(["world", "--config", REALM, "--workdir", world], os.path.join(root, "world.log"))
+    if not os.path.exists(os.path.join(data, "summary.json")):
+        run(["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log")
+    if not done(ict):
+        run(["ict", "--config", ICT, "--workdir", ict, *paths], os.path.join(root, "ict.log"))
+    from realm_jax.config import load_config
+
+    curriculum = int(load_config(os.path.join(REPO, REALM)).train.own_block_steps)
+    runs = {}
+    for arm in arms:
+        wd = os.path.join(root, arm)
+        if a.rerun or not done(wd):
+            if os.path.exists(wd):
+                subprocess.run(["rm", "-rf", wd], check=True)
+            extra = [f"--config.model.init_embedders_from_ict={ict}", *ARMS[arm]]
+            run(["train", "--config", REALM, "--workdir", wd, *paths, *extra], f"{wd}.log")
+        runs[arm] = history(wd)
+    last = max(max(h["title_recall@5"]) for h in runs.values())
+    rows = []
+    for arm, h in runs.items():
+        for step in (curriculum, last):
+            cells = [f"{h[k].get(step, float('nan')):.3f}" for k, _ in KEYS]
+            rows.append(f"| {arm} | {step} | " + " | ".join(cells) + " |")
+    head = "| arm | step | " + " | ".join(n for _, n in KEYS) + " |"
+    table = "\n".join([head, "|" + "---|" * (len(KEYS) + 2), *rows])
+    body = (
+        f"`python experiments/world/world_study.py --root {a.root} --arms {a.arms}`: the world "
+        f"of `{REALM}` (its held-out people's sentences, 256 evaluated), the ICT warm start "
+        f"of `{ICT}`; step {curriculum} is the end of the copying curriculum (the embedders "
+        "frozen until then: the retriever's recall there is its ICT start).\n\n" + table
+    )
+    write_section(f"Arms: {a.arms}", body, doc=RESULTS)
+    if not a.no_plot and "realm" in runs:
+        plot(runs, curriculum, PLOT)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
