@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
 .PHONY: venv test check test-system test-experiments test-slow smoke lint format bench clean \
-	squad-qa peer-bench drills plan pod-rehearsal ablations
+	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,13 @@ format: $(STAMP)
 # evaluation. Needs ../shared.
 squad-qa: $(STAMP)
 	$(PY) experiments/squad_qa/squad_qa.py
+
+# The tutorial's chain in a generated world (docs/tutorial.md, experiments/world/README.md):
+# world, prepare, ICT, REALM and its frozen-retriever control, the plot. About 20 minutes on
+# 2 CPU cores; needs bert-tiny (../shared, or the config's init_*_from). Finished stages are
+# reused. WORLD_ARGS="--arms realm,frozen,random_span,uniform,stale" for the orderings.
+world-tutorial: $(STAMP)
+	$(PY) experiments/world/world_study.py $(WORLD_ARGS)
 
 # REALM's ablations (experiments/ablations/README.md): BM25 + reader, ICT only, and REALM with
 # salient / random span / uniform masks / a 30x stale index, each pre-trained (a `sweep`,

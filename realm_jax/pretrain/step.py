@@ -250,8 +250,17 @@ def realm_loss(
     inject = batch.get("inject")
     if inject is None:
         loss, metrics = marginal(relevance)
-    else:
-        loss, metrics = curriculum_loss(marginal, relevance, ids, inject)
+    else:  # the curriculum's two losses only while a query has its block injected
+
+        def plain():
+            loss, m = marginal(relevance)
+            return loss, dict(m, curriculum_copy_accuracy=jnp.zeros((), jnp.float32))
+
+        loss, metrics = jax.lax.cond(
+            (inject >= 0).any(),
+            lambda: curriculum_loss(marginal, relevance, ids, inject),
+            plain,
+        )
     metrics["retrieved_ids"] = ids
     return loss, metrics
 

@@ -819,3 +819,37 @@ def test_gold_block_of_an_example():
     assert pipeline.gold_block({"block_id": -1, "title": "Ada"}, gold_of) == 4
     assert pipeline.gold_block({"block_id": -1, "title": b"Cy"}, gold_of) == -1
     assert pipeline.gold_block({"block_id": -1}, gold_of) == -1
+
+
+def test_curriculum_loss_reads_the_documents_block_alone_and_the_others_apart():
+    """curriculum_loss: for a query with its block injected, the mean of a marginal over that
+    block alone (its prior 1) and one over every other candidate (it left out, the null in);
+    a query without one (inject -1) gets the plain marginal in both terms. Against numpy with
+    a stand-in marginal (the expected value of a fixed table under the prior)."""
+    rng = np.random.default_rng(0)
+    rel = rng.normal(size=(3, 4)).astype(np.float32)  # [B, K]: candidate 0 the null document
+    ids = np.array([[7, 9, 4], [1, 2, 3], [5, 6, 8]], np.int32)  # retrieved [B, K-1]
+    inject = np.array([9, -1, 8], np.int32)  # found at candidate 2; none; found at candidate 3
+    table = rng.normal(size=(3, 4)).astype(np.float32)
+
+    def marginal(r):
+        p = jax.nn.softmax(r, -1)
+        return jnp.sum(p * table), {"accuracy": p[:, 0].sum(), "x": jnp.zeros(())}
+
+    loss, m = pretrain_step.curriculum_loss(
+        marginal, jnp.asarray(rel), jnp.asarray(ids), jnp.asarray(inject)
+    )
+
+    def soft(r):
+        e = np.exp(r - r.max(1, keepdims=True))
+        return e / e.sum(1, keepdims=True)
+
+    alone, others = rel.astype(np.float64).copy(), rel.astype(np.float64).copy()
+    for b, k in ((0, 2), (2, 3)):
+        alone[b] = np.where(np.arange(4) == k, rel[b], -1e9)
+        others[b, k] = -1e9
+    want = ((soft(alone) * table).sum() + (soft(others) * table).sum()) / 2
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(m["curriculum_copy_accuracy"]), soft(alone)[:, 0].sum(), atol=1e-6
+    )
