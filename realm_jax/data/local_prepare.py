@@ -122,18 +122,8 @@ def build_examples(data, blocks, stats: collections.Counter) -> tuple[list[dict]
             if not spans:
                 continue
             out = eval_records if held[i] else records
-            out.append(
-                example_record(
-                    len(out),
-                    block_ids[i],
-                    doc_ids[i],
-                    titles[i],
-                    texts[i],
-                    enc.ids,
-                    spans,
-                    data.query_len,
-                )
-            )
+            source = (block_ids[i], doc_ids[i], titles[i], texts[i])
+            out.append(example_record(len(out), *source, enc.ids, spans, data.query_len))
     stats["examples"] = len(records)
     stats["eval_examples"] = len(eval_records)
     stats["salient_spans"] = sum(len(r["span_starts"]) for r in records + eval_records)

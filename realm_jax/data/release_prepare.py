@@ -132,16 +132,7 @@ def _examples(data, masker, blocks, base: int, out: dict, stats) -> int:
         if not spans:
             continue
         w = out[held[i]]
-        rec = records.example_record(
-            w.total,
-            block_ids[i],
-            doc_ids[i],
-            titles[i],
-            texts[i],
-            enc.ids,
-            spans,
-            data.query_len,
-        )
-        w.write(rec)
+        source = (block_ids[i], doc_ids[i], titles[i], texts[i])
+        w.write(records.example_record(w.total, *source, enc.ids, spans, data.query_len))
         spans_written += len(spans)
     return spans_written

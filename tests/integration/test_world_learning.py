@@ -32,15 +32,17 @@ from tests.conftest import REPO, shared_path
 REALM, ICT = "configs/realm.py:world", "configs/ict.py:world"
 COPY = 60  # steps of the copying curriculum
 CURRICULUM = 120  # steps with the embedders frozen (the copying curriculum's, then reading)
-STEPS = 200  # the whole REALM run
-PRIOR_GAIN = 0.002  # the least rise of the prior's mass on the own document (E - C)
+STEPS = 180  # the whole REALM run: 60 REALM steps
+# the least rise of the prior's mass on the own document (E - C); measured +0.067 by 80 REALM
+# steps (0.454 -> 0.522; held-out recall@1 45.3% -> 57.8%), 2026-11-27
+PRIOR_GAIN = 0.02
 WORLD = ["--config.world.entities=150", "--config.world.distractors=150"]
 RUN = [
     "--config.train.batch_size=8",
     f"--config.train.steps={STEPS}",
     f"--config.train.embedders_frozen_steps={CURRICULUM}",
     f"--config.train.own_block_steps={COPY}",
-    "--config.train.eval_every=40",
+    "--config.train.eval_every=60",
     "--config.train.eval_examples=64",
     "--config.train.checkpoint_every=1000",
 ]
@@ -128,5 +130,5 @@ def test_the_criterion_fails_when_the_retrieval_scores_get_no_gradient(tmp_path)
     m = world_run(tmp_path, stop_gradient=True)
     # (weight decay alone still moves the embedders, by far less than PRIOR_GAIN)
     prior = m["same_title_prior"]
-    assert prior[STEPS] == pytest.approx(prior[CURRICULUM], abs=PRIOR_GAIN / 4)
+    assert prior[STEPS] == pytest.approx(prior[CURRICULUM], abs=PRIOR_GAIN / 10)
     assert not learned(m)
