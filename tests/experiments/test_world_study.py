@@ -1,0 +1,35 @@
+"""experiments/world/world_study.py: its arms, its refusal of unknown ones, its plot."""
+
+import os
+
+import pytest
+
+from experiments.world import world_study as W
+from realm_jax.config import load_config
+from tests.conftest import REPO
+
+
+def test_arms_are_overrides_of_the_world_config():
+    config = load_config(os.path.join(REPO, "configs", "realm.py") + ":world")
+    frozen = W.ARMS["frozen"][0].split("=")
+    assert frozen[0] == "--config.train.embedders_frozen_steps"
+    assert int(frozen[1]) == config.train.steps  # the control never trains the retriever
+    assert W.ARMS["realm"] == []
+    stale = int(W.ARMS["stale"][0].split("=")[1])
+    assert stale >= 30 * config.refresh.every and stale > config.train.steps
+
+
+def test_unknown_arm_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        W.main(["--arms", "realm,bogus", "--root", "/nonexistent"])
+    assert "unknown arms ['bogus']" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    steps = [0, 100, 200]
+    h = {k: {s: 0.1 * i for i, s in enumerate(steps)} for k, _ in W.KEYS}
+    out = str(tmp_path / "plot.png")
+    W.plot({"realm": h, "frozen": h}, 100, out)
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
