@@ -70,7 +70,7 @@ def history(workdir: str) -> dict[str, dict[int, float]]:
     return {k: tags[f"eval/{k.replace('@', '_at_')}"] for k, _ in KEYS}
 
 
-def plot(runs: dict[str, dict], curriculum: int, out: str) -> None:
+def plot(runs: dict[str, dict], curriculum: int, out: str, frozen: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,9 +93,13 @@ def plot(runs: dict[str, dict], curriculum: int, out: str) -> None:
     for ax, title in zip(
         axes, ("recall@5 of the masked fact's own document", "masked-span accuracy"), strict=True
     ):
-        ax.axvspan(0, curriculum, color="0.92")
+        ax.axvspan(0, curriculum, color="0.85")
+        ax.axvspan(curriculum, max(frozen, curriculum), color="0.94")
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step (shaded: copying curriculum, retriever frozen)", fontsize=8)
+        ax.set_xlabel(
+            "step (dark: copying curriculum; light: reading; the retriever frozen in both)",
+            fontsize=8,
+        )
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -132,7 +136,8 @@ def main(argv=None) -> int:
         run(["ict", "--config", ICT, "--workdir", ict, *paths], os.path.join(root, "ict.log"))
     from realm_jax.config import load_config
 
-    curriculum = int(load_config(os.path.join(REPO, REALM)).train.own_block_steps)
+    tc = load_config(os.path.join(REPO, REALM)).train
+    curriculum, frozen = int(tc.own_block_steps), int(tc.embedders_frozen_steps)
     runs = {}
     for arm in arms:
         wd = os.path.join(root, arm)
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
     last = max(max(h["title_recall@5"]) for h in runs.values())
     rows = []
     for arm, h in runs.items():
-        for step in (curriculum, last):
+        for step in sorted({curriculum, frozen, last}):
             cells = [f"{h[k].get(step, float('nan')):.3f}" for k, _ in KEYS]
             rows.append(f"| {arm} | {step} | " + " | ".join(cells) + " |")
     head = "| arm | step | " + " | ".join(n for _, n in KEYS) + " |"
@@ -153,12 +158,13 @@ def main(argv=None) -> int:
     body = (
         f"`python experiments/world/world_study.py --root {a.root} --arms {a.arms}`: the world "
         f"of `{REALM}` (its held-out people's sentences, 256 evaluated), the ICT warm start "
-        f"of `{ICT}`; step {curriculum} is the end of the copying curriculum (the embedders "
-        "frozen until then: the retriever's recall there is its ICT start).\n\n" + table
+        f"of `{ICT}`; step {curriculum} is the end of the copying curriculum, step {frozen} the "
+        "end of the reading steps (the embedders frozen until then: the retriever's recall "
+        "there is its ICT start; the frozen arm's embedders never train).\n\n" + table
     )
     write_section(f"Arms: {a.arms}", body, doc=RESULTS)
     if not a.no_plot and "realm" in runs:
-        plot(runs, curriculum, PLOT)
+        plot(runs, curriculum, PLOT, frozen)
     print(table)
     return 0
 

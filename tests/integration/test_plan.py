@@ -169,6 +169,7 @@ def test_a_plan_that_cannot_run_fails_clearly(tmp_path, args, message):
     assert last.startswith("realm-jax plan: error: ") and message in last, err
 
 
+@pytest.mark.system  # 50 s of compiles; the plan's refusals and REALM programs stay in CI
 def test_ict_and_qa_programs():
     ict = [plan.analyse(p, None) for p in _programs("configs/ict.py:smoke", [], 2, 64)]
     assert [p["program"] for p in ict] == ["ICT train step"]

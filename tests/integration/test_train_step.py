@@ -740,7 +740,8 @@ def test_copying_curriculum_puts_the_documents_block_among_the_candidates(setup)
     """retrieve(inject=...): a block the search did not find takes the last retrieved place
     (its tokens fetched from the index), one it found stays where it is, -1 changes nothing;
     against the numpy top-k."""
-    config, mesh, model, _, state, _, emb, tokens, index, batch = setup
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))  # (donated)
     fn = jax.jit(
         functools.partial(
             pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
