@@ -128,7 +128,7 @@ def _shrink(a: np.ndarray) -> np.ndarray:
 
 
 def _save_batches(path: str, batches: list[dict]) -> None:
-    keys = [k for k in batches[0] if k != "example_id"]
+    keys = [k for k in batches[0] if k not in ("example_id", "title")]  # host-side only
     arrays, dtypes = {}, {}
     for k in keys:
         full = np.stack([np.asarray(b[k]) for b in batches])
