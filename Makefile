@@ -80,7 +80,7 @@ squad-qa: $(STAMP)
 	$(PY) experiments/squad_qa/squad_qa.py
 
 # The tutorial's chain in a generated world (docs/tutorial.md, experiments/world/README.md):
-# world, prepare, ICT, REALM and its frozen-retriever control, the plot. About 20 minutes on
+# world, prepare, ICT, REALM and its frozen-retriever control, the plot. About 30 minutes on
 # 2 CPU cores; needs bert-tiny (../shared, or the config's init_*_from). Finished stages are
 # reused. WORLD_ARGS="--arms realm,frozen,random_span,uniform,stale" for the orderings.
 world-tutorial: $(STAMP)
