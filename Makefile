@@ -22,12 +22,12 @@ venv: $(STAMP)
 # `make test` is what CI runs: unit + integration (the CLI, fake GCS, 2-process jobs), <= 15 min
 # on a 2-core machine.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not slow and not system" \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow and not system" \
 		tests/unit tests/integration
 
 # Lint and the unit tier: about a minute, for every change.
 check: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not system" tests/unit
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not system" tests/unit
 
 # Pod rehearsal, drills, long multi-process runs: outside CI, before a release or a pod job.
 test-system: $(STAMP)

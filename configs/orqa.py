@@ -6,7 +6,9 @@ same), plus `qa`. Run `python -m realm_jax finetune --config configs/orqa.py:<va
 
 Variants: smoke (the bundled sample: its QA file, split by the sample's held-out article),
 small, base (ORQA's: retriever beam 5000, reader beam 5, reader length 320, lr 1e-5, BERT-base;
-questions from NQ-open files that `qa.train_file`/`qa.dev_file` must name), squad (the QA
+questions from NQ-open files that `qa.train_file`/`qa.dev_file` must name), world (the generated
+world's questions, runs/world/qa.jsonl, split by the prepared world's held-out people,
+fine-tuned from the tutorial's REALM run runs/world-realm; docs/tutorial.md), squad (the QA
 reference result in experiments/squad_qa: SQuAD questions split by held-out article, fine-tuned
 from the squad pre-training recipe's REALM workdir), squad_read (a reading-comprehension
 phase for bert-tiny's reader on the training articles' gold passages, before pre-training and
@@ -34,19 +36,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     q = c.qa = ml_collections.ConfigDict()
     sample = variant == "smoke"
     squad = variant in ("squad", "squad_read")
+    world = variant == "world"
     variant = "squad" if read else variant
     qa_file = {
         "smoke": "data/sample/qa.jsonl",
         "squad": "../shared/data/squad/qa_train.jsonl",
+        "world": "runs/world/qa.jsonl",  # `realm-jax world --workdir runs/world`
     }.get(variant, "")
     q.train_file = qa_file  # questions to fine-tune on (see `evaluate --help` for formats)
     q.dev_file = qa_file  # questions of the periodic evaluation and `evaluate`'s default
     q.format = "auto"  # auto, nq, squad, webquestions, curatedtrec
     # SQuAD-style files with titles split by the prepared data's held-out articles: fine-tune
     # on the others, evaluate on the held-out ones ("none": use every question of the file).
-    q.train_holdout = "train" if (sample or squad) else "none"
-    q.dev_holdout = "heldout" if (sample or squad) else "none"
-    q.retriever_beam_size = {"smoke": 16, "squad": 100}.get(variant, 5000)  # ORQA: 5000
+    q.train_holdout = "train" if (sample or squad or world) else "none"
+    q.dev_holdout = "heldout" if (sample or squad or world) else "none"
+    # ORQA: 5000 (of 13M blocks); the world has 1,000
+    q.retriever_beam_size = {"smoke": 16, "squad": 100, "world": 100}.get(variant, 5000)
     q.reader_beam_size = 3 if sample else 5  # blocks read per question (ORQA: 5)
     q.reader_len = {"base": 320}.get(variant, 0)  # reader input length; 0 = query + block - 1
     q.answer_len = 16  # longest answer (wordpieces) looked for in blocks
@@ -71,27 +76,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     m = c.model
     m.init_embedders_from_ict = ""
-    if squad:  # the pre-training recipe's REALM run: all three networks
+    if squad or world:  # the pre-training recipe's REALM run: all three networks
         m.init_embedder_from = m.init_reader_from = ""
-        m.init_from_realm = "runs/squad"
+        m.init_from_realm = "runs/world-realm" if world else "runs/squad"
+    # (the world's ICT-only baseline, ORQA's start: --config.model.init_from_realm=
+    # --config.model.init_embedders_from_ict=runs/world-ict
+    # --config.model.init_reader_from=../shared/models/bert-tiny-mlm)
     t = c.train
-    t.batch_size = {"smoke": 8, "squad": 16, "base": 64}.get(variant, 32)  # questions per step
-    t.steps = {"smoke": 40, "squad": 1000, "base": 20_000}.get(variant, 2000)
+    t.batch_size = {"smoke": 8, "squad": 16, "world": 16, "base": 64}.get(variant, 32)  # questions
+    # per step; the world: 1,200 training questions (400 people x 3), 4 epochs
+    t.steps = {"smoke": 40, "squad": 1000, "world": 300, "base": 20_000}.get(variant, 2000)
     # ORQA: 1e-5 for BERT-base. bert-tiny's reader learns fastest near 1e-3 (experiments/ablations
     # "A reader that reads": 2e-4, 1e-3, 3e-3 measured), where its query embedder would lose
     # its retrieval (3e-3: no answer left in the retriever's beam): that one stays at 2e-4.
-    t.lr = {"smoke": 1e-3, "squad": 1e-3, "base": 1e-5}.get(variant, 3e-5)
-    t.warmup_steps = {"smoke": 4, "squad": 100}.get(variant, -1)
-    # the query embedder's LR relative to the reader's
-    t.embedder_lr_scale = 0.2 if variant == "squad" else 1.0
+    t.lr = {"smoke": 1e-3, "squad": 1e-3, "world": 1e-3, "base": 1e-5}.get(variant, 3e-5)
+    t.warmup_steps = {"smoke": 4, "squad": 100, "world": 20}.get(variant, -1)
+    # the query embedder's LR relative to the reader's (the world: as its pre-training, where
+    # the embedders lost their retrieval at the reader's LR)
+    t.embedder_lr_scale = {"squad": 0.2, "world": 0.1}.get(variant, 1.0)
     t.embedders_frozen_steps = 0  # the query embedder trains from the first step, as in ORQA
     t.embedders_warmup_steps = 0  # (no late start)
     t.own_block_steps = 0  # (REALM pre-training only)
     t.log_every = 10 if variant != "base" else 100
-    t.checkpoint_every = {"smoke": 20, "squad": 500}.get(variant, 1000)
-    t.eval_every = {"smoke": 20, "squad": 500}.get(variant, 1000)
-    t.eval_batch_size = {"smoke": 8, "squad": 32}.get(variant, 64)
-    t.eval_examples = {"smoke": 64, "squad": 500}.get(variant, 0)  # dev questions; 0 = all
+    t.checkpoint_every = {"smoke": 20, "squad": 500, "world": 100}.get(variant, 1000)
+    t.eval_every = {"smoke": 20, "squad": 500, "world": 100}.get(variant, 1000)
+    t.eval_batch_size = {"smoke": 8, "squad": 32, "world": 32}.get(variant, 64)
+    # dev questions; 0 = all (the world: its 300 held-out people's questions)
+    t.eval_examples = {"smoke": 64, "squad": 500}.get(variant, 0)
     if read:
         _reading_phase(c)
     return c

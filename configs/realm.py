@@ -124,6 +124,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.min_sentence_tokens = 5  # shorter sentences are dropped
     c.data.masking = "salient"  # salient (NER + dates) or random
     c.data.mask_mode = "salient"  # read time: salient (a data.masking span), random_span, uniform
+    # "salient": runs of other modes scored on the same masks (the world study's mask arms)
+    c.data.eval_mask_mode = ""  # held-out evaluation's masks; "" = data.mask_mode's
     c.data.ner_model = "en_core_web_sm"  # spaCy pipeline for salient spans
     c.data.random_span_max = 3  # longest random span in words (random masking)
     c.data.skip_bad_input = False  # skip and count malformed input instead of stopping

@@ -223,6 +223,7 @@ CHOICES = {
     "task": ("realm", "ict", "qa"),
     "data.masking": ("salient", "random"),
     "data.mask_mode": ("salient", "random_span", "uniform"),  # = data/masking.py MASK_MODES
+    "data.eval_mask_mode": ("", "salient", "random_span", "uniform"),  # "" = data.mask_mode
     "train.null_doc": ("scored", "fixed"),  # = pretrain/step.py NULL_DOCS
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),

@@ -71,16 +71,40 @@ def prepare_sample_head(tmp_path_factory, config_fn, passages: int) -> str:
 TIERS = ("unit", "integration", "system", "experiments")
 
 
+# The longest modules of `make test`, longest first (its --durations, 2026-11-27): collected
+# first, so that pytest-xdist (--dist loadfile --no-loadscope-reorder: modules handed out in
+# collection order) starts them at once and ends on short unit modules, not on a 4-minute
+# one with the other worker idle. Only the suite's wall time depends on this list.
+LONGEST_FIRST = (
+    "integration/learning/test_world.py",
+    "integration/test_trainer.py",
+    "integration/test_train_step.py",
+    "integration/test_qa_finetune.py",
+    "integration/test_gcs.py",
+    "integration/test_multiprocess_tasks.py",
+    "integration/test_ict.py",
+    "integration/test_qa_gold.py",
+    "integration/test_release_openqa.py",
+    "integration/test_beam_prepare.py",
+    "unit/test_qa_step.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test with its folder's tier, unless it is marked `system` itself: a long
     variant kept beside the tests it extends (one module, one compile) runs in the system tier.
-    A test outside the tier folders is an error."""
+    A test outside the tier folders is an error. The LONGEST_FIRST modules go first."""
+    rank = {}
     for item in items:
         rel = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).split(os.sep)
         if rel[0] not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/<tier>/, tiers {TIERS}")
         if not item.get_closest_marker("system"):
             item.add_marker(getattr(pytest.mark, rel[0]))
+        path = "/".join(rel)
+        first = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+        rank[item.nodeid] = (first, len(rank))  # the others keep their order
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 @pytest.fixture(scope="module")

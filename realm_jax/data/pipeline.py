@@ -505,7 +505,8 @@ def iterator_restore_args(it) -> IteratorRestore:
 def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
     """The held-out examples as a fixed list of this process's batches (the same every
     evaluation: the first `max_examples` (all when <= 0), whole global batches only, each
-    example masked by the run's data.mask_mode with a generator seeded by its id). Each batch
+    example masked by the run's data.eval_mask_mode, else data.mask_mode, with a generator
+    seeded by its id). Each batch
     also holds, host-side, its examples' document titles ("title", an object array)."""
     source = datasets.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
@@ -517,7 +518,7 @@ def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
             f"{batch_size}: lower train.eval_batch_size or raise data.eval_fraction"
         )
     d, out = config.data, []
-    mode = masking.check_mask_mode(d.get("mask_mode", "salient"))
+    mode = masking.check_mask_mode(d.get("eval_mask_mode") or d.get("mask_mode", "salient"))
     first = jax.process_index() * b
     for i in range(n_batches):
         recs = [source[i * batch_size + first + j] for j in range(b)]

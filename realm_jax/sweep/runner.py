@@ -86,7 +86,7 @@ def load_points(spec: str, prefix: str, extra: list[str]) -> list[Point]:
 
 # data fields that only the reader of a prepared folder uses (the masks drawn at read time,
 # grain's worker processes): points differing in them share one prepared folder
-READ_TIME_DATA_FIELDS = ("data_dir", "mask_mode", "worker_count")
+READ_TIME_DATA_FIELDS = ("data_dir", "mask_mode", "eval_mask_mode", "worker_count")
 
 
 def _data_key(config) -> str:

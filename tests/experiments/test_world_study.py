@@ -33,3 +33,26 @@ def test_plot_writes_a_png(tmp_path):
     W.plot({"realm": h, "frozen": h}, 100, out)
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_own_document_recall_counts_the_questions_own_title_in_the_top_k(tmp_path):
+    import json
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(
+        json.dumps({"question": "Where does A live?", "title": "A"})
+        + "\n"
+        + json.dumps({"question": "Where does B live?", "title": "B"})
+        + "\n"
+    )
+    preds = tmp_path / "p.jsonl"
+    top = lambda *t: [{"title": x} for x in t]  # noqa: E731
+    preds.write_text(
+        json.dumps({"question": "Where does A live?", "top_blocks": top("A", "B")})
+        + "\n"
+        + json.dumps({"question": "Where does B live?", "top_blocks": top("C", "D", "E", "F", "B")})
+        + "\n"
+    )
+    got = W.own_document_recall(str(preds), str(qa))
+    # A: top 1 and top 5; B: 5th
+    assert got == {"own_recall@1": 0.5, "own_recall@5": 1.0}

@@ -315,3 +315,13 @@ def test_eval_batches_use_the_runs_mask_mode(prepared):
             assert len(pos) == _budget(_n_maskable(q), m)
             want = M.uniform_positions(q, np.random.default_rng(int(rec["example_id"])), m)
             assert np.array_equal(pos, want)  # drawn from the example id
+    # data.eval_mask_mode: the salient masks of a salient run's evaluation, whatever the
+    # training masks
+    salient = load_config(SPEC, [*ov, "data.mask_mode=salient"])
+    mixed = load_config(SPEC, [*ov, "data.mask_mode=uniform", "data.eval_mask_mode=salient"])
+    want = PL.eval_batches(salient, d, batch_size=4, max_examples=0)
+    for a, b in zip(want, PL.eval_batches(mixed, d, batch_size=4, max_examples=0), strict=True):
+        _identical(a, b)
+    bad = load_config(SPEC, [*ov, "data.eval_mask_mode=spanbert"])
+    with pytest.raises(ConfigError, match="data.eval_mask_mode='spanbert'"):
+        validate(bad)

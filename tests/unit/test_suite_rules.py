@@ -53,3 +53,11 @@ def test_the_rule_catches_an_import_of_a_test_module():
     assert imported_test_modules("from tests.integration.test_trainer import config")
     assert imported_test_modules("from tests.unit import test_data")
     assert not imported_test_modules("from tests.support.runs import realm_config")
+
+
+def test_the_longest_first_modules_exist():
+    """conftest.LONGEST_FIRST names modules that are there (a renamed one would go last)."""
+    from tests.conftest import LONGEST_FIRST
+
+    missing = [m for m in LONGEST_FIRST if not os.path.isfile(os.path.join(REPO, "tests", m))]
+    assert not missing, f"tests/conftest.py LONGEST_FIRST names missing modules: {missing}"
