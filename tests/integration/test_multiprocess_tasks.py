@@ -257,6 +257,9 @@ def ict_data(tmp_path_factory):
     return ddir
 
 
+@pytest.mark.system  # CI: 2 processes = 1 in the train step (test_train_step.py), the refresh
+# job (test_trainer.py) and the sharded reads (test_shard_reads.py); ICT's loss over every
+# device's negatives (test_ict.py)
 def test_two_process_ict_matches_one_process(ict_data, tmp_path):
     """`ict` with its held-out evaluation on: 2 processes train on the same global batches
     as 1 (the same losses), evaluate recall@k over the whole corpus (gathered) to the same
@@ -283,7 +286,7 @@ def test_two_process_ict_matches_one_process(ict_data, tmp_path):
     assert final[0]["step"] == final[1]["step"] == 4 and "recall@5" in final[1]["eval"]
 
 
-@pytest.mark.system  # 2 + 1 process fine-tuning: CI keeps 2-process ICT, 1-process fine-tuning
+@pytest.mark.system  # 2 + 1 process fine-tuning: CI keeps 1-process fine-tuning
 def test_two_process_finetune_evaluate_and_ask_match_one_process(qa_files, tmp_path):
     """`finetune` (dev evaluation on), `evaluate` and `ask` as 2 processes: the losses and
     the dev exact match of the 1-process run, the same predictions file, written once (by

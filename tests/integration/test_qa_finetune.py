@@ -80,6 +80,19 @@ def _fixed_batch_loss(root, ddir, work, step):
 
 
 def test_finetune_learns_keeps_the_best_and_evaluates(qa_files, tmp_path):
+    _finetune_and_evaluate(qa_files, tmp_path)
+
+
+@pytest.mark.system  # CI: CuratedTREC's regexes (unit/test_qa_answers.py), a predictions file
+# rescored on gs:// (test_gcs_paths.py), `ask` (test_release_openqa.py)
+def test_retrieval_only_rescoring_and_curatedtrec_evaluations(qa_files, tmp_path):
+    root, ddir, work, metrics = _finetune_and_evaluate(qa_files, tmp_path)
+    _more_evaluations(root, ddir, work, metrics, tmp_path)
+
+
+def _finetune_and_evaluate(qa_files, tmp_path):
+    """Fine-tunes on the sample's questions and evaluates (dense, bm25): (root, data dir,
+    workdir, bm25's metrics)."""
     root, ddir = qa_files
     work = str(tmp_path / "qa")
     history = qa_commands.train(config(root, ddir), work)
@@ -118,6 +131,26 @@ def test_finetune_learns_keeps_the_best_and_evaluates(qa_files, tmp_path):
             assert chosen["id"] == p["block"]["id"] and chosen["span"] == p["prediction"], p
             np.testing.assert_allclose(max(joint), p["score"], rtol=1e-5, atol=1e-5)
 
+    # a fine-tuning workdir as another run's warm start (model.init_from_realm): its trained
+    # span head comes too only when asked for (a reading phase before ORQA fine-tuning)
+    from realm_jax.train import warm_start
+
+    mgr = checkpoint.manager(work, with_data=False, read_only=True)
+    mesh = sharding.make_mesh(config(root, ddir).mesh)
+    _, target = abstract_params(config(root, ddir), mesh, "reader")
+    saved = sharding.to_host(checkpoint.restore_params_subtree(mgr, 60, "reader", target))
+    fresh = warm_start.realm_params(work, config(root, ddir))["reader"]
+    carried = warm_start.realm_params(
+        work, config(root, ddir, "model.init_span_head_from_realm=True")
+    )["reader"]
+    assert "span" not in fresh and set(carried) == set(saved)
+    for a, b in zip(jax.tree.leaves(carried["span"]), jax.tree.leaves(saved["span"])):
+        np.testing.assert_array_equal(a, b)
+    return root, ddir, work, metrics
+
+
+def _more_evaluations(root, ddir, work, metrics, tmp_path):
+    """BM25 retrieval alone, a predictions file rescored, CuratedTREC's regex answers, `ask`."""
     r = _cli(
         root, ddir, work, "evaluate", "--retriever", "bm25", "--limit", "16", "--retrieval_only"
     )
@@ -158,22 +191,6 @@ def test_finetune_learns_keeps_the_best_and_evaluates(qa_files, tmp_path):
     assert r.stdout.startswith("answer: ") and "(block " in r.stdout
     r = _cli(root, ddir, work, "ask", stdin="What is materialism?\nWho was Plato?\n\n")
     assert r.returncode == 0 and r.stdout.count("answer: ") == 2, r.stdout + r.stderr[-2000:]
-
-    # a fine-tuning workdir as another run's warm start (model.init_from_realm): its trained
-    # span head comes too only when asked for (a reading phase before ORQA fine-tuning)
-    from realm_jax.train import warm_start
-
-    mgr = checkpoint.manager(work, with_data=False, read_only=True)
-    mesh = sharding.make_mesh(config(root, ddir).mesh)
-    _, target = abstract_params(config(root, ddir), mesh, "reader")
-    saved = sharding.to_host(checkpoint.restore_params_subtree(mgr, 60, "reader", target))
-    fresh = warm_start.realm_params(work, config(root, ddir))["reader"]
-    carried = warm_start.realm_params(
-        work, config(root, ddir, "model.init_span_head_from_realm=True")
-    )["reader"]
-    assert "span" not in fresh and set(carried) == set(saved)
-    for a, b in zip(jax.tree.leaves(carried["span"]), jax.tree.leaves(saved["span"])):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_bad_beams_are_refused_before_any_work(qa_files, tmp_path):

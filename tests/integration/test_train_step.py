@@ -678,6 +678,8 @@ def test_held_out_evaluation_against_numpy(setup):
     np.testing.assert_allclose(got["copy_gain"], np.mean(gains), rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.system  # CI: the own block's exclusion (test_retrieval_matches_numpy...) and its
+# injection by the copying curriculum (test_copying_curriculum_puts...)
 def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
     """train.own_block_steps (the reader warm-up's copying curriculum): before that step the
     step equals one on a batch whose own block ids are all -1 (nothing excluded) and differs

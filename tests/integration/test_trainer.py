@@ -83,7 +83,7 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
         np.testing.assert_allclose(loss, full[step], rtol=1e-5, err_msg=f"step {step}")
 
 
-@pytest.mark.system  # two CLI runs: CI keeps the SIGKILL resume and the refresh swap
+@pytest.mark.system  # two CLI runs: CI keeps the SIGKILL resume and the feed's swap
 def test_inprocess_resume_between_refreshes_reads_the_kept_index(data_dir, tmp_path, caplog):
     """refresh.every=8, checkpoints every 4: a run resumed at step 4 must read the index
     re-embedded at step 0, as the uninterrupted run did (inprocess mode keeps each index it
@@ -130,6 +130,8 @@ def _publish_and_hang(idx_dir, n, d):  # runs in a child process
     store.publish_index(idx_dir, 9, np.ones((n, d), np.float32), searcher=_SlowSearcher())
 
 
+@pytest.mark.system  # CI: the 2-process refresh job's embeddings, the feed's swap, a killed
+# writer never read (test_gcs.py), `ask` (test_release_openqa.py)
 def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=external", "refresh.build_scann=false")
     workdir = str(tmp_path)
@@ -353,6 +355,7 @@ def test_two_process_refresh_job_matches_single_process(data_dir, tmp_path):
     assert step == 0
 
 
+@pytest.mark.system  # CI: test_guarded_update_skips_a_non_finite_step (the update's guard)
 def test_non_finite_steps_are_skipped_and_stop_the_run_without_saving(data_dir, tmp_path):
     """lr=1e30 blows the weights up after the first update: every later step is non-finite.
     Those updates are not applied (decided on device), the run stops past
