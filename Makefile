@@ -82,7 +82,8 @@ squad-qa: $(STAMP)
 # The tutorial's chain in a generated world (docs/tutorial.md, experiments/world/README.md):
 # world, prepare, ICT, REALM and its frozen-retriever control, the plot. About 30 minutes on
 # 2 CPU cores; needs bert-tiny (../shared, or the config's init_*_from). Finished stages are
-# reused. WORLD_ARGS="--arms realm,frozen,random_span,uniform,stale" for the orderings.
+# reused. The paper's orderings (about an hour more): WORLD_ARGS="--arms
+# realm,random_span,uniform,stale --qa".
 world-tutorial: $(STAMP)
 	$(PY) experiments/world/world_study.py $(WORLD_ARGS)
 
