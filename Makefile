@@ -11,7 +11,7 @@ SMOKE_DIR ?= runs/smoke
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt  # (bytecode on import: 20 s less)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

@@ -196,6 +196,8 @@ def _corpus_and_text(folder, text_lines=None) -> tuple[str, str]:
     return corpus_path, text_path
 
 
+@pytest.mark.system  # CI: Beam = in process on the sample (above); a separate text prepared in
+# process (unit/test_realm_records.py, unit/test_data.py)
 def test_beam_with_a_separate_text_matches_in_process(tmp_path):
     """data.sentences on Beam: blocks from the corpus (4 windows), examples from the text (5
     windows of 8 KB chunks), salient masking (spaCy NER); the text carries a malformed line and

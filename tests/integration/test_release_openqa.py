@@ -300,6 +300,8 @@ def _import(capsys, work, *args, vocab=100, span_width=10):
     return _cli(capsys, argv + _arch(vocab, span_width))
 
 
+@pytest.mark.system  # CI: the release's import from local files (this module) and gs:// inputs
+# read as local ones (test_gcs_paths.py)
 def test_gs_sources_import_as_local_ones(tmp_path_factory, tmp_path, capsys):
     """The fixtures from a fake GCS server (tests/support/fake_gcs.py) give the same workdir as the
     local files, and the networks hold the TF variables (the mapping, checked at two ends)."""
