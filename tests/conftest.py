@@ -13,8 +13,13 @@ tests/support/ and here."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
+# The test process has 8 fake CPU devices (jax_num_cpu_devices below: the sharded steps against
+# their references); the CLI and worker processes the tests start inherit XLA_FLAGS and see 2,
+# still a sharded data axis: a tiny REALM step on 8 fake devices sharing 2 cores ran 10x slower
+# than on one (docs/testing.md), and most of the suite's time went there.
+CHILD_DEVICES = 2
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={CHILD_DEVICES}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache for the session, inherited by every CLI and worker process
 # the tests start: the same tiny programs compiled once instead of once per process (what most

@@ -7,11 +7,12 @@ retriever's held-out recall there is its start, the frozen control's) and whose 
 it train the retriever by REALM's gradient alone. The held-out people's sentences are never
 trained on; their own documents are in the corpus.
 
-What it checks, at the curriculum's end (C) and the last step (E), on the held-out sentences:
-the reader learned to read (accuracy above the null document's), REALM's signal points at the
-own document (the posterior's mass on it well above the prior's: REALM's gradient on the
-scores is their difference), and the REALM steps moved the retriever that way (the prior's mass
-on the own document rose, and no block is the top of most queries). Fails when the retriever
+What it checks on the held-out sentences: the retriever did not move while frozen (its prior
+at the curriculum's end C equals its start's); at the last step E, the reader reads (accuracy
+above the null document's), REALM's signal points at the own document (the posterior's mass
+on it well above the prior's: REALM's gradient on the scores is their difference), no block is
+the top of most queries, and the REALM steps moved the retriever that way (the prior's mass on
+the own document rose from C to E). Fails when the retriever
 stops learning: the system tier runs the same chain with jax.lax.stop_gradient on the retrieval
 scores (nothing else changed) and checks that the criterion then fails.
 
@@ -30,19 +31,24 @@ from realm_jax.train.metrics import read_scalars
 from tests.conftest import REPO, shared_path
 
 REALM, ICT = "configs/realm.py:world", "configs/ict.py:world"
-COPY = 60  # steps of the copying curriculum
-CURRICULUM = 120  # steps with the embedders frozen (the copying curriculum's, then reading)
-STEPS = 180  # the whole REALM run: 60 REALM steps
-# the least rise of the prior's mass on the own document (E - C); measured +0.067 by 80 REALM
-# steps (0.454 -> 0.522; held-out recall@1 45.3% -> 57.8%), 2026-11-27
-PRIOR_GAIN = 0.02
+COPY = 40  # steps of the copying curriculum
+CURRICULUM = 60  # steps with the embedders frozen (the copying curriculum's, then reading)
+STEPS = 120  # the whole REALM run: 60 REALM steps
+# 4 candidates (3 retrieved and the null document; the recipe reads 8): the REALM run in 78 s
+# instead of 136 s, alone on this 2-core machine. Measured 2026-11-27 on 64 held-out sentences:
+# the prior's mass on the own document 0.460 at C -> 0.557 at E (held-out recall@1 45.3% ->
+# 57.8%); at E the posterior's mass 0.696, accuracy 25.0% (null document alone 1.6%).
+# With 8 candidates and C=120, E=180 it was 0.454 -> 0.509 (signal at C 0.244).
+PRIOR_GAIN = 0.02  # the least rise of the prior's mass on the own document (E - C)
+SIGNAL = 0.07  # the least posterior - prior mass on the own document at E (measured 0.139)
 WORLD = ["--config.world.entities=150", "--config.world.distractors=150"]
 RUN = [
     "--config.train.batch_size=8",
     f"--config.train.steps={STEPS}",
     f"--config.train.embedders_frozen_steps={CURRICULUM}",
     f"--config.train.own_block_steps={COPY}",
-    "--config.train.eval_every=60",
+    "--config.train.num_candidates=4",
+    f"--config.train.eval_every={CURRICULUM}",  # (and the last step)
     "--config.train.eval_examples=64",
     "--config.train.checkpoint_every=1000",
 ]
@@ -117,9 +123,9 @@ def test_realm_teaches_the_retriever_to_fetch_the_masked_facts_document(metrics)
     m, c, e = metrics, CURRICULUM, STEPS
     # frozen through the curriculum: the retriever there is the control's
     assert m["same_title_prior"][0] == pytest.approx(m["same_title_prior"][c])
-    assert m["accuracy"][c] >= m["null_only_accuracy"][c] + 0.05, "the reader did not learn to read"
-    signal = m["same_title_posterior"][c] - m["same_title_prior"][c]
-    assert signal >= 0.1, f"REALM's posterior - prior on the own document: {signal:.3f}"
+    assert m["accuracy"][e] >= m["null_only_accuracy"][e] + 0.05, "the reader did not learn to read"
+    signal = m["same_title_posterior"][e] - m["same_title_prior"][e]
+    assert signal >= SIGNAL, f"REALM's posterior - prior on the own document: {signal:.3f}"
     assert m["top1_share"][e] < 0.5, "the retriever collapsed onto one block"
     before, after = m["same_title_prior"][c], m["same_title_prior"][e]
     assert learned(m), f"the prior's mass on the own document {before:.4f} -> {after:.4f}"
