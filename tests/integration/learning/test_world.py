@@ -28,6 +28,7 @@ import sys
 import pytest
 
 from realm_jax.train.metrics import read_scalars
+from tests.conftest import FAST_COMPILE as FAST
 from tests.conftest import REPO, shared_path
 
 REALM, ICT = "configs/realm.py:world", "configs/ict.py:world"
@@ -67,10 +68,11 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def _env() -> dict:
-    """One CPU device, as a user's run has (the suite's 8 fake ones left out)."""
+    """One CPU device and XLA's optimisations, as a user's run has (the suite's fake devices
+    and fast-compile flags left out)."""
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").split()
-    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f and f not in FAST)
     return env
 
 
