@@ -8,14 +8,15 @@ SMOKE_DIR ?= runs/smoke
 .PHONY: venv test check test-system test-experiments test-slow smoke lint format bench clean \
 	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial
 
-# The packages are installed with their bytecode: where PYTHONDONTWRITEBYTECODE is set (it is on
-# our machines and, by its timings, on CI's), Python never writes it, and without it every
-# process the suite starts compiled jax & co. from source again (`make test` 1.5-2.3 min slower
-# for 20 s less install, docs/testing.md). `make test` compiles our own modules the same way.
+# The packages' bytecode is compiled at install, on every core: where PYTHONDONTWRITEBYTECODE is
+# set (it is on our machines and, by its timings, on CI's), Python never writes it, and each
+# process the suite starts compiled jax & co. from source again (a CLI error path: 4.0-4.8
+# CPU-s instead of 1.3-1.9; docs/testing.md). `make test` compiles our own modules the same way.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt  # (pip's compile: one core)
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

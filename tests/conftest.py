@@ -1,4 +1,4 @@
-"""Test harness: 8 fake CPU devices, set before JAX starts; paths to ../shared; the tiers.
+"""Test harness: 4 fake CPU devices, set before JAX starts; paths to ../shared; the tiers.
 
 Tiers (docs/testing.md): a test's folder is its tier, and its marker is set here from the folder:
   tests/unit         marker `unit`         in-process checks against independent references
@@ -13,10 +13,11 @@ tests/support/ and here."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
-# The test process has 8 fake CPU devices (jax_num_cpu_devices below: the sharded steps against
-# their references); the CLI and worker processes the tests start inherit XLA_FLAGS and see 2,
-# still a sharded data axis: a tiny REALM step on 8 fake devices sharing 2 cores ran 10x slower
-# than on one (docs/testing.md), and most of the suite's time went there.
+# The test process has 4 fake CPU devices (TEST_DEVICES below: the sharded steps against their
+# references, on a (2, 2) mesh where a test needs both axes); the CLI and worker processes the
+# tests start inherit XLA_FLAGS and see 2, still a sharded data axis. Fake devices share the
+# machine's 2 cores: a tiny REALM step ran 10x slower on 8 than on one, and the suite took 2.8
+# CPU-min more with 8 here than with 4 (docs/testing.md). REALM_JAX_TEST_DEVICES sets another.
 CHILD_DEVICES = 2
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={CHILD_DEVICES}"
@@ -44,7 +45,8 @@ if os.environ.get("REALM_JAX_TEST_XLA_CACHE", "1") != "0" and not os.environ.get
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+TEST_DEVICES = int(os.environ.get("REALM_JAX_TEST_DEVICES", "4"))
+jax.config.update("jax_num_cpu_devices", TEST_DEVICES)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

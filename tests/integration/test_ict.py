@@ -54,7 +54,7 @@ def _numpy_ict(q, b):
 def test_ict_loss_matches_numpy_with_negatives_from_all_devices():
     config = _config()
     mesh = sharding.make_mesh(config.mesh)
-    assert mesh.devices.size == 8  # 2 queries per device: negatives must cross devices
+    assert mesh.devices.size >= 4  # 4 queries a device or fewer: negatives must cross devices
     model, _, state, _ = ict_step.create_state(config, mesh, jax.random.key(0))
     rng = np.random.default_rng(0)
     q = np.zeros((16, 12), np.int32)

@@ -133,7 +133,7 @@ def test_a_killed_process_stops_the_job_and_a_relaunch_resumes_the_loss_curve(da
     """Process 1 is killed at the last step, as the final checkpoint is being saved: the run
     is uninterrupted up to there (its logged losses are the reference) and the relaunch has to
     go back to checkpoint EVERY, train the same steps again and log the same losses."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's fake devices
     env.update(
         JAX_PLATFORMS="cpu",
         **{runtime.HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_S)},

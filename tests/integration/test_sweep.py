@@ -91,13 +91,12 @@ def _csv(prefix) -> dict[str, dict[str, str]]:
 
 @pytest.fixture
 def two_devices(monkeypatch, tmp_path):
-    """The points' processes on 2 fake CPU devices (conftest gives this process 8), sharing a
-    compilation cache."""
+    """The points' processes on 2 fake CPU devices (conftest's CHILD_DEVICES; the test process
+    has more), sharing a compilation cache."""
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache"))
-    flags = os.environ.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=2"
-    )
-    monkeypatch.setenv("XLA_FLAGS", flags)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append("--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 

@@ -38,7 +38,7 @@ def data_dir(tmp_path_factory):
 
 def _train_cli(workdir: str, data_dir: str, log: str) -> subprocess.Popen:
     """`python -m realm_jax train` (the tiny run's overrides) into `workdir`, started; the
-    console to `log`. Its 2 fake devices (conftest) train 4x faster than this process's 8."""
+    console to `log`. Its 2 fake devices (conftest) train faster than this process's 4."""
     cmd = [
         *(sys.executable, "-m", "realm_jax", "train", "--workdir", workdir),
         *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
@@ -578,7 +578,7 @@ def test_local_stops_when_its_refresher_dies(data_dir, tmp_path):
 def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_dir, tmp_path):
     """refresh.mode=amortized: before each step every device re-embeds 1/refresh.every of its
     own rows; after refresh.every steps the served index is exactly those slices, each as a
-    whole-pass embedding with that step's parameters would give it (8 devices, every=5: the
+    whole-pass embedding with that step's parameters would give it (every=5: the
     last slice is moved back to end at the last row, overlapping the one before)."""
     every = 5
     cfg = config(f"data.data_dir={data_dir}", "refresh.mode=amortized", f"refresh.every={every}")
