@@ -13,6 +13,9 @@ recipe's: the index never refreshed in the run). Then the table (title_recall@1 
 the masked fact's own document, accuracy, null-only accuracy, top1_share) at the end of the
 copying curriculum and at the last step, and the plot of recall and accuracy against steps.
 
+--mention attributes: the world whose sentences name their person only by other attributes
+(world.mention), with its own section in the README and no plot.
+
 --qa: open-domain QA on the world's questions (configs/orqa.py:world), ORQA's fine-tuning
 from ICT alone (its embedders with bert-tiny's reader: ORQA's own start) and from each arm's
 run (its three networks). Each start is scored on the held-out
@@ -197,6 +200,12 @@ def main(argv=None) -> int:
     p.add_argument("--rerun", action="store_true", help="run finished arms again")
     p.add_argument("--no_plot", action="store_true", help="do not write docs/tutorial_world.png")
     p.add_argument(
+        "--mention",
+        default="name",
+        choices=("name", "attributes"),
+        help="how the text names its people (world.mention); attributes: no plot, its own section",
+    )
+    p.add_argument(
         "--qa",
         action="store_true",
         help=f"then fine-tune ({QA_CONFIG}) from ICT alone and from each arm; score QA",
@@ -215,7 +224,8 @@ def main(argv=None) -> int:
         f"--config.data.data_dir={data}",
     ]
     if not os.path.exists(os.path.join(world, "world.json")):
-        run(["world", "--config", REALM, "--workdir", world], os.path.join(root, "world.log"))
+        mention = f"--config.world.mention={a.mention}"
+        run(["world", "--config", REALM, "--workdir", world, mention], f"{root}/world.log")
     if not os.path.exists(os.path.join(data, "summary.json")):
         run(["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log")
     if not done(ict):
@@ -241,15 +251,18 @@ def main(argv=None) -> int:
             rows.append(f"| {arm} | {step} | " + " | ".join(cells) + " |")
     head = "| arm | step | " + " | ".join(n for _, n in KEYS) + " |"
     table = "\n".join([head, "|" + "---|" * (len(KEYS) + 2), *rows])
+    flag = "" if a.mention == "name" else f" --mention {a.mention}"
     body = (
-        f"`python experiments/world/world_study.py --root {a.root} --arms {a.arms}`: the world "
-        f"of `{REALM}` (its held-out people's sentences, 256 evaluated), the ICT warm start "
-        f"of `{ICT}`; step {curriculum} is the end of the copying curriculum, step {frozen} the "
-        "end of the reading steps (the embedders frozen until then: the retriever's recall "
-        "there is its ICT start; the frozen arm's embedders never train).\n\n" + table
+        f"`python experiments/world/world_study.py --root {a.root} --arms {a.arms}{flag}`: "
+        f"the world of `{REALM}` (its held-out people's sentences, 256 evaluated), the ICT "
+        f"warm start of `{ICT}`; step {curriculum} is the end of the copying curriculum, "
+        f"step {frozen} the end of the reading steps (the embedders frozen until then: the "
+        "retriever's recall there is its ICT start; the frozen arm's embedders never train)."
+        "\n\n" + table
     )
-    write_section(f"Arms: {a.arms}", body, doc=RESULTS)
-    if not a.no_plot and "realm" in runs:
+    title = f"Arms: {a.arms}" + ("" if a.mention == "name" else f" ({a.mention} world)")
+    write_section(title, body, doc=RESULTS)
+    if not a.no_plot and a.mention == "name" and "realm" in runs:
         plot(runs, curriculum, PLOT, frozen)
     print(table)
     if a.qa:

@@ -25,6 +25,13 @@ def test_unknown_arm_is_refused(capsys):
     assert "unknown arms ['bogus']" in capsys.readouterr().err
 
 
+def test_unknown_mention_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        W.main(["--mention", "nickname", "--root", "/nonexistent"])
+    assert "invalid choice: 'nickname'" in capsys.readouterr().err
+    assert not os.path.exists("/nonexistent")
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     steps = [0, 100, 200]
