@@ -29,6 +29,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.ict.mask_rate = 0.9  # share of examples whose block loses the query sentence (ORQA)
     c.ict.recall_ks = (1, 5, 10, 20)  # held-out recall@k of the own block over the corpus
     c.ict.bm25_baseline = True  # also report BM25's recall@k on the same held-out sentences
+    # The positives: "own_block" (ORQA's ICT: a sentence of a block, the block its positive) or
+    # "bm25" (the BM25-imitation control: REALM's masked pre-training sentences, each with
+    # BM25's top block for it as the positive, the own block excluded; data/span_candidates.py)
+    c.ict.positives = "own_block"  # "own_block" or "bm25" (above)
     t = c.train
     # per variant: global batch, steps, peak LR (ORQA: 1e-4), warmup, eval and checkpoint
     # interval, held-out sentences evaluated

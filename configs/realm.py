@@ -187,6 +187,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # every query (no gradient), a deviation from the release that docs/tutorial.md measures:
     # a scored null document's one embedding can take every query's mass at once.
     c.train.null_doc = "scored"  # "scored" or "fixed" (above)
+    # A second retriever's candidates (not in the release): BM25's top-m blocks for each masked
+    # sentence (the sentence without its masked span as the query, the own block excluded;
+    # computed once per prepared dataset and kept in <data_dir>/candidates/) join the dense
+    # top num_candidates - 1, deduplicated, each embedded by the live document embedder and
+    # scored by the query like the others, so REALM's prior and posterior cover them all:
+    # its gradient can pull towards a block the dense retriever does not find yet. Held-out
+    # evaluation stays dense-only. Needs data.mask_mode=salient. 0 = off (the release).
+    c.train.bm25_candidates = 0  # BM25 blocks added to each query's candidates (above)
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2

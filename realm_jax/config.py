@@ -68,6 +68,7 @@ SHARED_TRAIN_FIELDS = (
     "train.mlm_vocab_chunk",  # REALM's MLM head: ICT and fine-tuning have none
     "train.grad_accum",  # REALM's micro-batches: ICT and fine-tuning take one pass
     "train.null_doc",  # REALM's null document: ICT and fine-tuning have none
+    "train.bm25_candidates",  # REALM's second retriever: ICT and fine-tuning do not read it
 )
 
 
@@ -225,6 +226,7 @@ CHOICES = {
     "data.mask_mode": ("salient", "random_span", "uniform"),  # = data/masking.py MASK_MODES
     "data.eval_mask_mode": ("", "salient", "random_span", "uniform"),  # "" = data.mask_mode
     "train.null_doc": ("scored", "fixed"),  # = pretrain/step.py NULL_DOCS
+    "ict.positives": ("own_block", "bm25"),
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),
     "refresh.mode": ("external", "inprocess", "amortized"),
@@ -261,6 +263,7 @@ RANGES = {
     "train.embedder_lr_scale": _at_least(0),
     "train.embedders_frozen_steps": _at_least(0),
     "train.own_block_steps": _at_least(0),
+    "train.bm25_candidates": _at_least(0),
     "train.embedders_warmup_steps": _at_least(0),
     "train.weight_decay": _at_least(0),
     "train.grad_clip": ((lambda v: v > 0), "positive"),
@@ -404,6 +407,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 f"({frozen}) unless train.embedder_lr_scale=0: a retriever that trains while "
                 "the own block can be retrieved learns the trivial match (the release always "
                 "excludes the own block)"
+            )
+        m, mode = _get(config, "train.bm25_candidates"), _get(config, "data.mask_mode")
+        if m is not _MISSING and m > 0 and mode not in (_MISSING, "salient"):
+            problems.append(
+                f"train.bm25_candidates={m}: needs data.mask_mode=salient, not {mode!r} (BM25's "
+                "candidates are retrieved once per salient span at prepare time)"
             )
         k = _get(config, "train.num_candidates")
         if k is not _MISSING and k < 2:

@@ -97,6 +97,48 @@ def train_loader(config, data_dir: str, train_ids: np.ndarray) -> grain.DataLoad
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ImitationPair(grain.transforms.RandomMap):
+    """The BM25-imitation control's pair (ict.positives=bm25): REALM's masked sentence (the
+    same span draw as pipeline.MaskSpan) as the query, and BM25's top block for that span
+    (data/span_candidates.py; the own block excluded) as the positive."""
+
+    query_len: int
+    max_predictions: int
+    extra: object  # SpanCandidates
+    blocks: np.ndarray  # [N, block_len] int32: every block's token ids, zero-padded
+
+    def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        span = int(rng.integers(len(rec["span_starts"])))
+        out = pipeline.mask_example(rec, span, self.query_len, self.max_predictions)
+        top = int(self.extra.lookup(int(rec["example_id"]), span)[0])
+        return {"query_ids": out["query_ids"], "block_ids": self.blocks[top]}
+
+
+def imitation_loader(config, data_dir: str, extra, blocks: np.ndarray) -> grain.DataLoader:
+    """This process's batches of the BM25-imitation control: query_ids [b, query_len] (the
+    masked pre-training sentences), block_ids [b, block_len] (BM25's top block for each).
+    Examples with a span that BM25 found nothing for are left out."""
+    d = config.data
+    src = datasets.examples_source(data_dir)
+    if not np.array_equal(extra.example_ids, np.arange(len(src))):
+        raise datasets.PrepareError(
+            f"{data_dir}: its examples are not numbered by record; re-run `realm-jax prepare "
+            "--overwrite`"
+        )
+    found = extra.ids[:, 0] >= 0  # [spans]
+    whole = np.logical_and.reduceat(found, extra.offsets[:-1]) if len(found) else found
+    keep = np.flatnonzero(whole & (np.diff(extra.offsets) > 0))
+    return pipeline.shuffled_batches(
+        BlockSubset(src, keep),
+        ImitationPair(d.query_len, d.max_predictions, extra, blocks),
+        what=f"examples with BM25 candidates in {data_dir}",
+        global_batch_size=config.train.batch_size,
+        seed=d.seed,
+        worker_count=d.worker_count,
+    )
+
+
 def eval_queries(data_dir: str, query_len: int, max_examples: int):
     """Held-out sentences (unmasked), their own block ids (-1: a separate text's) and their
     documents' titles: (query_ids [Q, Lq], block_id [Q], texts, titles)."""

@@ -30,6 +30,7 @@ from etils import epath
 
 from realm_jax import tokenization as tk
 from realm_jax.checkpoint import CheckpointMismatch
+from realm_jax.config import ConfigError
 from realm_jax.data import datasets, masking
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,25 @@ class MaskSpan(grain.transforms.RandomMap):
     # text's sentence, the first block of its document's title (-1: none), which REALM's
     # copying curriculum puts among the candidates (train.own_block_steps); None: no gold_block
     gold_of: dict | None = None
+    # a second retriever's candidates per (example, span) (data/span_candidates.py): each
+    # example also gets extra_ids [m], those of the span it is masked at (train.bm25_candidates)
+    extra: object = None  # SpanCandidates or None
 
     def __post_init__(self):
         masking.check_mask_mode(self.mask_mode)  # before any record is read
+        if self.extra is not None and self.mask_mode != "salient":
+            raise ConfigError(
+                f"train.bm25_candidates needs data.mask_mode=salient (its candidates are "
+                f"retrieved per salient span), not {self.mask_mode!r}"
+            )
 
     def random_map(self, rec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        out = mask_record(rec, rng, self.mask_mode, self.query_len, self.max_predictions)
+        if self.extra is None:
+            out = mask_record(rec, rng, self.mask_mode, self.query_len, self.max_predictions)
+        else:  # mask_record's salient draw, the span kept for its candidates
+            span = int(rng.integers(len(rec["span_starts"])))
+            out = mask_example(rec, span, self.query_len, self.max_predictions)
+            out["extra_ids"] = np.asarray(self.extra.lookup(int(rec["example_id"]), span))
         if self.gold_of is not None:
             out["gold_block"] = np.int32(gold_block(rec, self.gold_of))
         if "example_id" in rec:  # host-side only: the loop takes it out before the device
@@ -271,6 +285,7 @@ def train_loader(
     seed: int,
     num_epochs: int | None = None,
     gold_of: dict | None = None,
+    extra=None,
 ) -> grain.DataLoader:
     """A grain DataLoader of this process's share of masked-sentence batches.
 
@@ -278,7 +293,8 @@ def train_loader(
     int32, mlm_weights [b, max_predictions] float32, block_id [b] int32, example_id [b] int64
     (the prepared examples' ids, kept on the host by the loop: train.record_example_ids);
     b = global_batch_size / jax.process_count(). With gold_of (title -> block id), also
-    gold_block [b] int32 (MaskSpan).
+    gold_block [b] int32 (MaskSpan). With extra (data/span_candidates.SpanCandidates), also
+    extra_ids [b, m] int32: a second retriever's blocks for the span masked (-1: none).
 
     On a gs:// data_dir the examples are read in place, record by record, as the batches
     want them (datasets.ShardedSource): no host copies the examples first. A process's rows
@@ -289,7 +305,8 @@ def train_loader(
     """
     data = config.data
     # before the data is opened: an unknown data.mask_mode is a config error, not a data one
-    mask = MaskSpan(data.query_len, data.max_predictions, data.get("mask_mode", "salient"), gold_of)
+    mode = data.get("mask_mode", "salient")
+    mask = MaskSpan(data.query_len, data.max_predictions, mode, gold_of, extra)
     return shuffled_batches(
         datasets.examples_source(data_dir),
         mask,

@@ -13,6 +13,7 @@ from realm_jax.data import ict as ict_data
 from realm_jax.data import pipeline
 from realm_jax.ict.evaluation import IctEvaluator
 from realm_jax.ict.step import compile_train_step, create_state
+from realm_jax.index import bm25_candidates
 from realm_jax.train import loop
 from realm_jax.train.warm_start import params_hook
 
@@ -27,7 +28,12 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
     log.info(
         "ICT: %d training blocks of %d; mesh %s", len(train_ids), len(titles), dict(mesh.shape)
     )
-    loader = ict_data.train_loader(config, ddir, train_ids)  # too few blocks: before checkpoints
+    if config.ict.get("positives", "own_block") == "bm25":  # the BM25-imitation control
+        extra = bm25_candidates.ensure(ddir, 1)
+        loader = ict_data.imitation_loader(config, ddir, extra, tokens)
+        log.info("ICT positives: BM25's top block for each masked pre-training sentence")
+    else:  # ORQA's: a sentence's own block (too few blocks: an error before checkpoints)
+        loader = ict_data.train_loader(config, ddir, train_ids)
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
     hook = None if mgr.all_steps() else params_hook(config, reader=False)
     model, optimizer, state, shardings = create_state(config, mesh, jax.random.key(tc.seed), hook)

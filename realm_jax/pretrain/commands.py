@@ -18,6 +18,7 @@ from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
 from realm_jax.data import datasets, pipeline
+from realm_jax.index import bm25_candidates
 from realm_jax.index.feed import IndexFeed
 from realm_jax.lock import workdir_lock
 from realm_jax.pretrain import step as pretrain_step
@@ -43,11 +44,14 @@ def _train(
     # the block token table [N, Lb], row-sharded: this host read only its own devices' rows
     # (and the titles of those, exchanged for the held-out evaluation's)
     curriculum = int(tc.get("own_block_steps", 0)) > 0
-    tokens = datasets.sharded_block_tokens(ddir, mesh, with_titles=tc.eval_every > 0 or curriculum)
+    separate = bool(config.data.get("sentences", ""))  # a separate text: documents by title
+    with_titles = tc.eval_every > 0 or curriculum or separate
+    tokens = datasets.sharded_block_tokens(ddir, mesh, with_titles=with_titles)
     titles = tokens.titles
     if tc.eval_every > 0:
         sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
-    check_candidates(tc.num_candidates, tokens.shape[0], mesh)
+    extra_m = int(tc.get("bm25_candidates", 0))
+    check_candidates(tc.num_candidates, tokens.shape[0], mesh, extra_m)
     log.info(
         "mesh %s over %d devices (%d processes); %d blocks",
         dict(mesh.shape),
@@ -58,12 +62,19 @@ def _train(
     # Everything that can refuse the data (too few examples for a batch) before the first
     # checkpoint is written.
     gold_of = None
-    if curriculum:  # a separate text's sentences: their document's block (first of its title)
+    if curriculum or separate:  # a separate text's sentences: their document's block (the
+        # first of its title), for the curriculum and the own-document coverage metrics
         gold_of = {}
         for i, t in enumerate(titles):
             gold_of.setdefault(t, i)
+    extra = bm25_candidates.ensure(ddir, extra_m) if extra_m > 0 else None
     loader = pipeline.train_loader(
-        config, ddir, global_batch_size=tc.batch_size, seed=config.data.seed, gold_of=gold_of
+        config,
+        ddir,
+        global_batch_size=tc.batch_size,
+        seed=config.data.seed,
+        gold_of=gold_of,
+        extra=extra,
     )
     eval_batches = None
     if tc.eval_every > 0:
@@ -130,16 +141,22 @@ def _setup(config, workdir: str):
     return mesh, ddir
 
 
-def check_candidates(num_candidates: int, num_blocks: int, mesh) -> None:
+def check_candidates(num_candidates: int, num_blocks: int, mesh, extra: int = 0) -> None:
     """REALM retrieves num_candidates - 1 blocks besides the null document, never the
     query's own block, so the corpus must hold at least num_candidates blocks (each device
-    keeps a local top-k of its rows; ops/mips.py merges them)."""
+    keeps a local top-k of its rows; ops/mips.py merges them); a second retriever's `extra`
+    blocks (train.bm25_candidates) come from the same corpus less the own block."""
     del mesh  # any number of rows per device works
     if not 2 <= num_candidates <= num_blocks:
         raise ConfigError(
             f"train.num_candidates={num_candidates}: must be at least 2 and at most "
             f"{num_blocks} here (the null document + up to {num_blocks - 1} retrieved blocks "
             "of a corpus that excludes the query's own); lower train.num_candidates"
+        )
+    if not 0 <= extra < num_blocks:
+        raise ConfigError(
+            f"train.bm25_candidates={extra}: must be at least 0 and at most {num_blocks - 1} "
+            "here (BM25's blocks of a corpus that excludes the query's own)"
         )
 
 
@@ -152,6 +169,10 @@ CONSOLE_KEYS = (
     "retrieval_utility",
     "retrieval_entropy",
     "null_doc_prob",
+    "span_in_candidates",
+    "span_in_candidates_dense",
+    "doc_in_candidates",
+    "doc_in_candidates_dense",
     "staleness",
 )
 

@@ -109,17 +109,9 @@ def eval_metrics(
     metrics["prior"] = jnp.exp(log_prior)
     metrics["posterior"] = jax.nn.softmax(log_post, -1)
     metrics["candidate_loglik"], metrics["candidate_right"] = loglik, right
-    metrics["block_holds"] = block_holds_targets(cands, targets, weights)
+    metrics["block_holds"] = pretrain_step.block_holds_targets(cands, targets, weights)
     metrics["query_targets"] = weights.sum(-1)
     return metrics
-
-
-def block_holds_targets(cands, targets, weights):
-    """[B, K] bool: candidate block k holds every masked wordpiece of query b (as a bag of
-    wordpieces, title included). The null document (k = 0) and queries without masks never."""
-    member = (cands[:, :, None, :] == targets[:, None, :, None]).any(-1)  # [B, K, P]
-    holds = (member | (weights[:, None, :] == 0)).all(-1) & (weights.sum(-1) > 0)[:, None]
-    return holds.at[:, 0].set(False)
 
 
 def _candidate_log_likelihood(features, table, bias, targets, weights):

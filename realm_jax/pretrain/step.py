@@ -77,8 +77,13 @@ def retrieve(
     rng=None,
     inject=None,
     fixed_null: bool = False,
+    extra=None,
 ):
     """Embed queries, search the index, re-embed the hits with live params.
+
+    extra [B, m] (block ids, -1 none): a second retriever's blocks joined to the dense top-k
+    (join_extra; train.bm25_candidates), K = num_candidates + m; a slot whose block repeats
+    another scores ABSENT.
 
     fixed_null: the null document's prior is 1/K whatever the query (train.null_doc
     "fixed"), its score that of the retrieved blocks' mean probability, without gradient.
@@ -88,8 +93,9 @@ def retrieve(
     copying curriculum for a separate text: the sentence's document's block; realm_loss).
 
     Returns (q_emb [B, D], relevance [B, K], candidate tokens [B, K, Lb], retrieved ids
-    [B, K-1]). Candidate 0 is the null document, as in the release (example_generator.py
-    prepends an empty Document; model.py scores every candidate with one einsum): the empty
+    [B, K-1], -1 for an empty slot). Candidate 0 is the null document, as in the release
+    (example_generator.py prepends an empty Document; model.py scores every candidate with
+    one einsum): the empty
     block `[CLS] [SEP] [SEP]` embedded by the live document embedder, so its score and
     gradient are those of any candidate. (A constant score of 0 took all the probability
     whenever an untrained projection scored every retrieved block below 0, and the
@@ -112,7 +118,9 @@ def retrieve(
         ids = ids.at[:, -1].set(jnp.where(put, inject, ids[:, -1]))
         gold = mips.fetch_rows(mesh, index_tokens, jnp.maximum(inject, 0)[:, None])[:, 0]
         tokens = tokens.at[:, -1].set(jnp.where(put[:, None], gold, tokens[:, -1]))
-    B, _, Lb = tokens.shape
+    if extra is not None:  # a second retriever's blocks join the dense ones
+        ids, tokens = join_extra(mesh, index_tokens, ids, tokens, extra)
+    B, k, Lb = tokens.shape
     flat = tokens.reshape(B * k, Lb)
     d_emb = embed_block_tokens(model, params, flat, rng).reshape(B, k, -1)  # live params: grads
     # The null block embedded at its own length (3): padding is masked and positions are
@@ -127,12 +135,60 @@ def retrieve(
     )  # [B, D]
     d_emb = jnp.concatenate([null_emb[:, None], d_emb], axis=1)  # [B, K, D]
     relevance = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
+    valid = ids >= 0  # [B, K-1]: a joined candidate that repeats another (or none) is out
+    relevance = relevance.at[:, 1:].set(jnp.where(valid, relevance[:, 1:], ABSENT))
     if fixed_null:
-        rest = relevance[:, 1:]
-        null = jax.nn.logsumexp(rest, axis=1) - jnp.log(rest.shape[1])
+        rest = jnp.where(valid, relevance[:, 1:], -jnp.inf)
+        null = jax.nn.logsumexp(rest, axis=1) - jnp.log(valid.sum(1).astype(rest.dtype))
         relevance = relevance.at[:, 0].set(jax.lax.stop_gradient(null))
     cands = jnp.concatenate([null_block_tokens(B, Lb)[:, None].astype(tokens.dtype), tokens], 1)
     return q_emb, relevance, cands, ids
+
+
+ABSENT = -1e9  # the score of a candidate slot that holds no block (its prior is 0)
+
+
+def join_extra(mesh: Mesh, index_tokens, ids, tokens, extra):
+    """The dense top-k (ids [B, k], tokens [B, k, Lb]) joined by a second retriever's blocks
+    extra [B, m] (-1: none; train.bm25_candidates): (ids [B, k + m], tokens [B, k + m, Lb]),
+    an extra block already among the dense ones, or earlier among the extras, given id -1.
+    Every joined block is then embedded with the live parameters and scored by the query
+    like the dense ones (`retrieve`), so REALM's prior and posterior cover them all."""
+    m = extra.shape[1]
+    earlier = jnp.tril(jnp.ones((m, m), bool), -1)  # [m, m]: j < i
+    repeat = (extra[:, :, None] == ids[:, None, :]).any(-1)  # [B, m]
+    repeat |= ((extra[:, :, None] == extra[:, None, :]) & earlier).any(-1)
+    extra = jnp.where(repeat | (extra < 0), -1, extra).astype(ids.dtype)
+    rows = mips.fetch_rows(mesh, index_tokens, jnp.maximum(extra, 0))  # [B, m, Lb]
+    return jnp.concatenate([ids, extra], 1), jnp.concatenate([tokens, rows.astype(tokens.dtype)], 1)
+
+
+def block_holds_targets(cands, targets, weights):
+    """[B, K] bool: candidate block k holds every masked wordpiece of query b (as a bag of
+    wordpieces, title included). The null document (k = 0) and queries without masks never."""
+    member = (cands[:, :, None, :] == targets[:, None, :, None]).any(-1)  # [B, K, P]
+    holds = (member | (weights[:, None, :] == 0)).all(-1) & (weights.sum(-1) > 0)[:, None]
+    return holds.at[:, 0].set(False)
+
+
+def coverage(cands, ids, targets, weights, gold=None, dense: int | None = None) -> dict:
+    """The share of masked queries whose retrieved candidates hold the masked span (every
+    masked wordpiece, block_holds_targets), and with `gold` [B] (the own document's block,
+    -1 none: a separate text's sentences) the share of those that have it among them; over
+    all candidates and, with `dense` (the dense top-k's count), over the dense ones alone.
+    cands [B, K, Lb] (0: the null document), ids [B, K-1] (-1: an empty slot)."""
+    holds = block_holds_targets(cands, targets, weights)[:, 1:] & (ids >= 0)  # [B, K-1]
+    masked = (weights.sum(-1) > 0).astype(jnp.float32)
+    parts = {"": holds.shape[1]} if dense is None else {"": holds.shape[1], "_dense": dense}
+    out = {}
+    for tag, n in parts.items():
+        span = holds[:, :n].any(1).astype(jnp.float32)
+        out[f"span_in_candidates{tag}"] = (span * masked).sum() / jnp.maximum(masked.sum(), 1)
+        if gold is not None:
+            has = (gold >= 0).astype(jnp.float32)
+            doc = (ids[:, :n] == gold[:, None]).any(1).astype(jnp.float32)
+            out[f"doc_in_candidates{tag}"] = (doc * has).sum() / jnp.maximum(has.sum(), 1)
+    return out
 
 
 def read_candidates(model: RealmModel, params, query_ids, cands, positions, length: int, rng=None):
@@ -184,8 +240,9 @@ def retrieve_and_read(
     inject=None,
     fixed_null: bool = False,
 ):
-    """`retrieve` then `read_candidates`: (relevance [B, K], features [B, K, P, H], word
-    embeddings [V, H], decoder bias [V], retrieved ids [B, K-1])."""
+    """`retrieve` then `read_candidates`, with a batch's extra_ids (a second retriever's
+    blocks) joined: (relevance [B, K], features [B, K, P, H], word embeddings [V, H], decoder
+    bias [V], retrieved ids [B, K-1], candidate tokens [B, K, Lb])."""
     _, relevance, cands, ids = retrieve(
         params,
         batch,
@@ -198,11 +255,12 @@ def retrieve_and_read(
         rng=rng,
         inject=inject,
         fixed_null=fixed_null,
+        extra=batch.get("extra_ids"),
     )
     features, table, bias = read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
     )
-    return relevance, features, table, bias, ids
+    return relevance, features, table, bias, ids, cands
 
 
 def realm_loss(
@@ -221,11 +279,15 @@ def realm_loss(
     fixed_null: bool = False,
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
-    A batch's "inject" [B] puts those blocks among the candidates (retrieve).
+    A batch's "inject" [B] puts those blocks among the candidates (retrieve); its
+    "extra_ids" [B, m] joins a second retriever's blocks to them (train.bm25_candidates);
+    its "doc_block" [B] (a separate text's document's block, -1 none) is only measured:
+    the coverage metrics (`coverage`: the masked span, or the own document, among the
+    candidates; with extra_ids also among the dense ones alone, "..._dense").
 
     vocab_chunk: vocabulary rows per step of the fused MLM softmax (fused_marginal_loss;
     0 = the whole vocabulary at once; -1 = materialise the logits, losses.marginal_loss)."""
-    relevance, features, table, bias, ids = retrieve_and_read(
+    relevance, features, table, bias, ids, cands = retrieve_and_read(
         params,
         batch,
         index_emb,
@@ -261,6 +323,9 @@ def realm_loss(
             lambda: curriculum_loss(marginal, relevance, ids, inject),
             plain,
         )
+    gold = batch.get("doc_block")
+    dense = num_candidates - 1 if "extra_ids" in batch else None
+    metrics.update(coverage(cands, ids, targets, weights, gold, dense))
     metrics["retrieved_ids"] = ids
     return loss, metrics
 
@@ -380,6 +445,8 @@ def train_step(
     grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass."""
     batch = dict(batch)
     gold = batch.pop("gold_block", None)
+    if gold is not None:  # a separate text's sentence: its document's block (coverage)
+        batch["doc_block"] = jnp.where(batch["block_id"] < 0, gold, -1).astype(jnp.int32)
     if own_block_steps > 0:
         early = state.step < own_block_steps
         if gold is not None:  # a separate text's sentence: its document's block joins
