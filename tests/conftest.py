@@ -54,10 +54,15 @@ SHARED = os.environ.get("REALM_JAX_SHARED", os.path.join(os.path.dirname(REPO), 
 
 
 def shared_path(*parts: str) -> str:
-    """A path under ../shared, or skip the test with a clear reason when it is absent."""
+    """A path under ../shared, or skip the test with a clear reason when it is absent (a
+    user's clone has no ../shared). Under CI=true the test fails instead: CI has ../shared,
+    and a test that skipped there would pass without checking anything."""
     path = os.path.join(SHARED, *parts)
     if not os.path.exists(path):
-        pytest.skip(f"needs {path} (the project's ../shared folder, absent in a fresh clone)")
+        why = f"needs {path} (the project's ../shared folder, absent in a fresh clone)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{why}; CI=true: a test of ../shared must run in CI, not skip")
+        pytest.skip(why)
     return path
 
 

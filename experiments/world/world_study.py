@@ -41,6 +41,7 @@ from benchmarks._report import write_section  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 PLOT = os.path.join(REPO, "docs", "tutorial_world.png")
 REALM, ICT = "configs/realm.py:world", "configs/ict.py:world"
+BM25_M = 4  # BM25 candidates a masked sentence in the bm25 arms
 ARMS = {
     "realm": [],
     "frozen": ["--config.train.embedders_frozen_steps=400"],
@@ -48,7 +49,15 @@ ARMS = {
     "random_span": ["--config.data.mask_mode=random_span", "--config.data.eval_mask_mode=salient"],
     "uniform": ["--config.data.mask_mode=uniform", "--config.data.eval_mask_mode=salient"],
     "stale": ["--config.refresh.every=600"],
+    # BM25's top 4 blocks for each masked sentence join the dense candidates (issue 46)
+    "bm25": [f"--config.train.bm25_candidates={BM25_M}"],
+    # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
+    # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many
+    # steps as REALM trains them, then scored as every arm is (a REALM run of one step with
+    # the embedders frozen: its step-0 evaluation is the imitation's retriever)
+    "imitation": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
 }
+IMITATION_ICT = ["--config.ict.positives=bm25"]
 KEYS = (
     ("title_recall@1", "recall@1"),
     ("title_recall@5", "recall@5"),
@@ -193,6 +202,19 @@ def qa(root: str, paths: list[str], arms: list[str], rerun: bool) -> str:
     return "\n".join([head, "|" + "---|" * 7, *rows])
 
 
+def imitation(root: str, ict: str, paths: list[str], steps: int, rerun: bool) -> str:
+    """The BM25-imitation control's embedders: `steps` of ICT's loss on (masked sentence,
+    BM25's top block) pairs from the ICT start; returns its workdir."""
+    wd = os.path.join(root, "imitation-ict")
+    if rerun or not done(wd):
+        if os.path.exists(wd):
+            subprocess.run(["rm", "-rf", wd], check=True)
+        extra = [f"--config.model.init_embedders_from_ict={ict}", f"--config.train.steps={steps}"]
+        args = ["ict", "--config", ICT, "--workdir", wd, *paths, *IMITATION_ICT, *extra]
+        run(args, f"{wd}.log")
+    return wd
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default="runs/world-study", help="folder of every run (from the repo)")
@@ -204,6 +226,18 @@ def main(argv=None) -> int:
         default="name",
         choices=("name", "attributes"),
         help="how the text names its people (world.mention); attributes: no plot, its own section",
+    )
+    p.add_argument(
+        "--names",
+        default="words",
+        choices=("words", "made_up"),
+        help="the people's names (world.names); made_up: several shared wordpieces a name",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the world's, the data's and the models' seed (world.seed, data.seed, train.seed)",
     )
     p.add_argument(
         "--qa",
@@ -223,9 +257,12 @@ def main(argv=None) -> int:
         f"--config.data.sentences={world}/text",
         f"--config.data.data_dir={data}",
     ]
+    seeds = [f"--config.data.seed={a.seed}", f"--config.train.seed={a.seed}"] if a.seed else []
+    paths += seeds
     if not os.path.exists(os.path.join(world, "world.json")):
-        mention = f"--config.world.mention={a.mention}"
-        run(["world", "--config", REALM, "--workdir", world, mention], f"{root}/world.log")
+        shape = [f"--config.world.mention={a.mention}", f"--config.world.names={a.names}"]
+        shape += [f"--config.world.seed={a.seed}"]
+        run(["world", "--config", REALM, "--workdir", world, *shape], f"{root}/world.log")
     if not os.path.exists(os.path.join(data, "summary.json")):
         run(["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log")
     if not done(ict):
@@ -240,18 +277,23 @@ def main(argv=None) -> int:
         if a.rerun or not done(wd):
             if os.path.exists(wd):
                 subprocess.run(["rm", "-rf", wd], check=True)
-            extra = [f"--config.model.init_embedders_from_ict={ict}", *ARMS[arm]]
+            start = ict
+            if arm == "imitation":
+                start = imitation(root, ict, paths, tc.steps - frozen, a.rerun)
+            extra = [f"--config.model.init_embedders_from_ict={start}", *ARMS[arm]]
             run(["train", "--config", REALM, "--workdir", wd, *paths, *extra], f"{wd}.log")
         runs[arm] = history(wd)
     last = max(max(h["title_recall@5"]) for h in runs.values())
     rows = []
     for arm, h in runs.items():
-        for step in sorted({curriculum, frozen, last}):
+        for step in [0] if arm == "imitation" else sorted({curriculum, frozen, last}):
             cells = [f"{h[k].get(step, float('nan')):.3f}" for k, _ in KEYS]
             rows.append(f"| {arm} | {step} | " + " | ".join(cells) + " |")
     head = "| arm | step | " + " | ".join(n for _, n in KEYS) + " |"
     table = "\n".join([head, "|" + "---|" * (len(KEYS) + 2), *rows])
     flag = "" if a.mention == "name" else f" --mention {a.mention}"
+    flag += "" if a.names == "words" else f" --names {a.names}"
+    flag += f" --seed {a.seed}" if a.seed else ""
     body = (
         f"`python experiments/world/world_study.py --root {a.root} --arms {a.arms}{flag}`: "
         f"the world of `{REALM}` (its held-out people's sentences, 256 evaluated), the ICT "
@@ -260,9 +302,11 @@ def main(argv=None) -> int:
         "retriever's recall there is its ICT start; the frozen arm's embedders never train)."
         "\n\n" + table
     )
-    title = f"Arms: {a.arms}" + ("" if a.mention == "name" else f" ({a.mention} world)")
+    kind = [x for x in (a.mention != "name" and a.mention, a.names != "words" and a.names) if x]
+    kind += [f"seed {a.seed}"] if a.seed else []
+    title = f"Arms: {a.arms}" + (f" ({', '.join(kind)} world)" if kind else "")
     write_section(title, body, doc=RESULTS)
-    if not a.no_plot and a.mention == "name" and "realm" in runs:
+    if not a.no_plot and not kind and "realm" in runs:
         plot(runs, curriculum, PLOT, frozen)
     print(table)
     if a.qa:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import zipfile
 
 import numpy as np
 
@@ -67,9 +68,12 @@ def span_query(token_ids, start: int, end: int, tok=None) -> str:
     """The masked sentence as the second retriever's query: the sentence's wordpieces without
     [CLS]/[SEP] and without the span's positions start..end (inclusive), joined into words."""
     tok = tok or tk.load_tokenizer()
-    ids = [int(t) for i, t in enumerate(token_ids) if not start <= i <= end]
-    ids = [t for t in ids if t not in (tk.PAD_ID, tk.CLS_ID, tk.SEP_ID)]
-    return tok.decode(ids)
+    ids = [int(t) for t in token_ids]
+
+    def words(part):  # the two sides apart: no word glued across the span
+        return tok.decode([t for t in part if t not in (tk.PAD_ID, tk.CLS_ID, tk.SEP_ID)])
+
+    return " ".join(w for w in (words(ids[:start]), words(ids[end + 1 :])) if w)
 
 
 def paths(data_dir: str, split: str) -> tuple[str, str]:
@@ -109,7 +113,7 @@ def load(data_dir: str, split: str, summary: dict, retriever: str, depth: int):
         with fs.open(arrays, "rb") as f:
             z = np.load(io.BytesIO(f.read()), allow_pickle=False)
             out = SpanCandidates(z["example_ids"], z["offsets"], z["ids"], meta)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
         raise PrepareError(
             f"{arrays} is damaged ({e}); delete {fs.join(data_dir, FOLDER)} and run again: "
             "the candidates are recomputed"

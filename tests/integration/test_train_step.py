@@ -864,3 +864,74 @@ def test_curriculum_loss_reads_the_documents_block_alone_and_the_others_apart():
     np.testing.assert_allclose(
         float(m["curriculum_copy_accuracy"]), soft(alone)[:, 0].sum(), atol=1e-6
     )
+
+
+def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
+    """retrieve(extra=...) (train.bm25_candidates): a second retriever's blocks join the dense
+    top-k; one the search found, one repeated, and -1 become empty slots (id -1, score
+    ABSENT, so prior 0); a new one is scored q . Embed_d(its tokens), computed here apart.
+    A batch whose extra blocks all repeat dense ones has the plain batch's loss; the coverage
+    metrics equal numpy's."""
+    from realm_jax.model.realm import RealmModel
+
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    fn = jax.jit(functools.partial(pretrain_step.retrieve, **kw))
+    g = sharding.global_batch(batch, mesh)
+    q_emb, _, _, plain = fn(state.params, g, *index)
+    plain, q = np.asarray(plain), np.asarray(q_emb, np.float64)
+    B = len(plain)
+    own = batch["block_id"]
+    new = np.asarray(
+        [next(i for i in range(len(emb)) if i not in plain[b] and i != own[b]) for b in range(B)]
+    )
+    extra = np.stack([plain[:, 1], new, np.full(B, -1), new], 1).astype(np.int32)  # [B, 4]
+    _, rel, cands, ids = fn(state.params, g, *index, extra=jnp.asarray(extra))
+    rel, cands, ids = np.asarray(rel, np.float64), np.asarray(cands), np.asarray(ids)
+    np.testing.assert_array_equal(ids[:, :3], plain)
+    np.testing.assert_array_equal(
+        ids[:, 3:], np.stack([-np.ones(B), new, -np.ones(B), -np.ones(B)], 1)
+    )
+    np.testing.assert_array_equal(cands[:, 5], tokens[new])
+    assert (rel[:, [4, 6, 7]] == pretrain_step.ABSENT).all()
+    blocks = jnp.asarray(tokens[new])
+    segs = inputs.block_segments(blocks)
+    d = model.apply(
+        {"params": state.params},
+        blocks,
+        segs,
+        (blocks != 0).astype(jnp.int32),
+        method=RealmModel.embed_doc,
+    )
+    want = (q * np.asarray(d, np.float64)).sum(1)
+    np.testing.assert_allclose(rel[:, 5], want, rtol=1e-4, atol=1e-4)
+
+    loss = jax.jit(
+        functools.partial(pretrain_step.realm_loss, **kw, length=inputs.joint_len(config))
+    )
+    _, base = loss(state.params, g, *index)
+    dup = sharding.global_batch(dict(batch, extra_ids=plain[:, ::-1].astype(np.int32)), mesh)
+    _, same = loss(state.params, dup, *index)
+    for key in ("loss", "accuracy", "retrieval_utility", "span_in_candidates"):
+        np.testing.assert_allclose(
+            float(same[key]), float(base[key]), rtol=1e-5, atol=1e-6, err_msg=key
+        )
+    _, joined = loss(
+        state.params, sharding.global_batch(dict(batch, extra_ids=extra), mesh), *index
+    )
+    tgt, w = batch["mlm_targets"], batch["mlm_weights"]
+
+    def holds(rows):  # [B, n] block ids -> any of them holds every masked wordpiece
+        out = np.zeros(B, bool)
+        for b in range(B):
+            need = set(tgt[b][w[b] > 0].tolist())
+            out[b] = bool(need) and any(i >= 0 and need <= set(tokens[i].tolist()) for i in rows[b])
+        return out
+
+    masked = w.sum(1) > 0
+    all_ids = np.asarray(joined["retrieved_ids"])
+    np.testing.assert_allclose(
+        float(joined["span_in_candidates_dense"]), holds(plain)[masked].mean()
+    )
+    np.testing.assert_allclose(float(joined["span_in_candidates"]), holds(all_ids)[masked].mean())

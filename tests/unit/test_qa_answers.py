@@ -1,13 +1,12 @@
 """realm_jax.qa.answers: ORQA's answer normalisation and scoring, and the question readers."""
 
 import logging
-import os
 
 import pytest
 
 from realm_jax.qa import answers as qa
 from realm_jax.qa.answers import QAExample, QAFormatError
-from tests.conftest import SHARED
+from tests.conftest import shared_path
 
 # The first answer regex of CuratedTREC large2180-test.tsv ("How tall is Mount McKinley?").
 MCKINLEY = (
@@ -17,10 +16,7 @@ MCKINLEY = (
 
 
 def shared_file(*parts: str) -> str:
-    path = os.path.join(SHARED, "data", *parts)
-    if not os.path.exists(path):
-        pytest.skip(f"needs {os.path.normpath(path)} (../shared, absent in a fresh clone)")
-    return path
+    return shared_path("data", *parts)
 
 
 def write(tmp_path, name: str, content) -> str:
