@@ -201,3 +201,55 @@ def test_ict_command_refuses_a_realm_config(tmp_path):
 def test_ict_configs_load(variant):
     c = load_config(os.path.join(REPO, "configs", f"ict.py:{variant}"))
     assert c.task == "ict" and 0 < c.ict.mask_rate < 1
+
+
+def test_held_out_recall_matches_a_numpy_brute_force(tmp_path):
+    """IctEvaluator's recall@k against numpy: each held-out sentence's wordpieces cut out of
+    its own block here (the first contiguous run), every query and block embedded, float64
+    scores over the whole corpus, the own block's rank counted."""
+    from realm_jax.data import datasets, prepare
+    from realm_jax.ict.evaluation import IctEvaluator
+    from realm_jax.index.embedding import embed_block_tokens, embed_query_tokens
+
+    sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
+    config = _config(
+        f"data.corpus={sample}",
+        "data.block_len=64",
+        "data.query_len=32",
+        "data.masking=random",
+        "train.eval_examples=96",
+        "model.embedder.max_position_embeddings=64",
+        "model.vocab_size=30522",  # the sample's wordpieces (TINY's 512 would embed NaNs)
+        "ict.bm25_baseline=false",
+        "ict.recall_ks=(1, 10, 300, 1000)",  # an untrained retriever's ranks, spread out
+    )
+    ddir = str(tmp_path / "data")
+    prepare.prepare(config, ddir)
+    mesh = sharding.make_mesh(config.mesh)
+    model, _, state, _ = ict_step.create_state(config, mesh, jax.random.key(3))
+    tokens, _, _ = datasets.load_blocks(ddir)
+    got = IctEvaluator(config, mesh, model, ddir, tokens)(state, 0)
+
+    src = datasets.examples_source(ddir, "eval")
+    recs = [src[i] for i in range(min(96, len(src)))]
+    table = tokens.copy()
+    queries, own = [], []
+    for r in recs:
+        q = np.asarray(r["token_ids"][: config.data.query_len], np.int32)
+        body, b = q[1:-1], int(r["block_id"])
+        row = table[b]
+        for at in range(len(row) - len(body) + 1):
+            if np.array_equal(row[at : at + len(body)], body):
+                table[b] = tk.pad_to(np.concatenate([row[:at], row[at + len(body) :]]), len(row))
+                break
+        queries.append(tk.pad_to(q, config.data.query_len))
+        own.append(b)
+    params = jax.device_get(state.params)
+    q = np.asarray(embed_query_tokens(model, params, np.stack(queries)), np.float64)
+    d = np.asarray(embed_block_tokens(model, params, table), np.float64)
+    scores = q @ d.T  # [Q, N]
+    rank = (scores > scores[np.arange(len(own)), own][:, None]).sum(1)  # 0 = first
+    assert got["examples"] == len(recs)
+    for k in config.ict.recall_ks:
+        assert got[f"recall@{k}"] == pytest.approx((rank < k).mean(), abs=1e-9), k
+    assert np.isfinite(scores).all() and 0 < got["recall@300"] < got["recall@1000"] < 1
