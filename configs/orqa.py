@@ -63,6 +63,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the 500 dev questions for the reading phase's reader (experiments/bm25_reader: held-out
     # EM on BM25's top 5, 5.1% with the span scores alone -> 10.4%).
     q.bm25_weight = 1.0
+    # `--retriever hybrid` (DPR's hybrid, not in the release): the union of the dense and BM25
+    # top hybrid_pool blocks (DPR: 2000 each), every block rescored exactly as its dense
+    # relevance + hybrid_bm25_weight x its BM25 score; the reader then adds that score to each
+    # span score. (DPR weighs the dense side: BM25 + 1.1 x sim; the weight here is BM25's.)
+    q.hybrid_pool = 100  # blocks each retriever contributes to the union
+    q.hybrid_bm25_weight = 1.0  # BM25's weight in the hybrid score
     q.best_metric = "exact_match"  # dev metric whose best checkpoint is kept (<workdir>/best)
     # A deviation from ORQA, which has no gold passages (REALM and ORQA fine-tune on NQ): when a
     # question's gold block (the answer-holding block of its SQuAD gold_passage) is not among

@@ -185,18 +185,21 @@ def _parser() -> argparse.ArgumentParser:
         if name == "ask":
             s.add_argument(
                 "--retriever",
-                choices=("dense", "bm25"),
+                choices=("dense", "bm25", "hybrid"),
                 default="dense",
-                help="QA: the fine-tuned retriever over the frozen index, or BM25 (bm25s) "
-                "over the same blocks; the same reader reads either",
+                help="QA: the fine-tuned retriever over the frozen index, BM25 (bm25s) over "
+                "the same blocks, or hybrid (both top lists joined and rescored: dense + "
+                "qa.hybrid_bm25_weight x BM25); the same reader reads any",
             )
         if name == "evaluate":
             s.add_argument(
                 "--retriever",
-                choices=("dense", "bm25", "gold"),
+                choices=("dense", "bm25", "hybrid", "gold"),
                 default="dense",
                 help="QA: the fine-tuned retriever over the frozen index, BM25 (bm25s) over "
-                "the same blocks, or gold: no retrieval, the reader reads each question's gold "
+                "the same blocks, hybrid (both top lists joined and rescored: dense + "
+                "qa.hybrid_bm25_weight x BM25), or gold: no retrieval, the reader reads each "
+                "question's gold "
                 "passage (SQuAD-style questions with a gold_passage field; its blocks repeated "
                 "to fill the reader beam; questions without one are counted as gold_missing "
                 "and scored wrong): the reader's exact match alone. The same reader reads all",

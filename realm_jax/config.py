@@ -283,6 +283,8 @@ RANGES = {
     "refresh.progress_every_blocks": _at_least(1),
     "ict.mask_rate": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
     "qa.bm25_weight": _at_least(0),
+    "qa.hybrid_bm25_weight": _at_least(0),
+    "qa.hybrid_pool": _at_least(1),
 }
 for _part in ("embedder", "reader"):
     for _field in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):

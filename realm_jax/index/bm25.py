@@ -107,6 +107,22 @@ class BM25Retriever:
             scores = scores[keep].reshape(q, k)
         return ids, scores
 
+    def scores(self, queries: Sequence[str], ids: np.ndarray) -> np.ndarray:
+        """BM25's scores of the given blocks ids [Q, n] for each query -> [Q, n] float32 (any
+        block, not only a top-k: the hybrid retriever rescores the union of two top-k lists)."""
+        ids = np.asarray(ids, np.int64)
+        if ids.ndim != 2 or ids.shape[0] != len(queries):
+            raise ValueError(f"ids must be [{len(queries)}, n], got {ids.shape}")
+        if ((ids < 0) | (ids >= self.num_blocks)).any():
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        out = np.zeros(ids.shape, np.float32)
+        tokens = _tokenize(queries, return_ids=False)
+        for i, words in enumerate(tokens):
+            known = [w for w in words if w in self._bm25.vocab_dict]
+            if known:  # a query none of whose words is indexed scores 0 everywhere
+                out[i] = self._bm25.get_scores(known)[ids[i]]
+        return out
+
 
 def recall_at_k(
     retrieved_ids: np.ndarray, gold: np.ndarray, ks: Sequence[int] = (1, 5, 10, 20)

@@ -41,7 +41,7 @@ from realm_jax.qa import step as qa_step
 
 log = logging.getLogger("realm_jax.qa")
 
-RETRIEVERS = ("dense", "bm25", "gold")
+RETRIEVERS = ("dense", "bm25", "hybrid", "gold")
 
 
 @dataclasses.dataclass
@@ -108,6 +108,10 @@ class Predictor:
         # the span scores (the dense relevance of another retriever's blocks is not one)
         self.bm25_weight = float(q.get("bm25_weight", 0.0))
         self.depth = min(max(self.ks + (self.reader_beam,)), index.num_blocks)
+        # hybrid (DPR's): the union of the dense and BM25 top qa.hybrid_pool, every block of it
+        # rescored dense + qa.hybrid_bm25_weight x BM25, both computed exactly for each
+        self.pool = min(max(int(q.get("hybrid_pool", 100)), self.depth), index.num_blocks)
+        self.hybrid_weight = float(q.get("hybrid_bm25_weight", 1.0))
         self.blocks = datasets.blocks_source(data_dir)
         self.gold_table = None
         if retriever == "gold":
@@ -123,6 +127,11 @@ class Predictor:
             functools.partial(qa_step.search, k=self.depth, num_valid=index.num_blocks, **kw)
         )
         self._has = jax.jit(functools.partial(qa_step.block_has_answer, mesh=mesh))
+        if retriever == "hybrid":
+            self._pool_search = jax.jit(
+                functools.partial(qa_step.search, k=self.pool, num_valid=index.num_blocks, **kw)
+            )
+            self._dense_scores = jax.jit(functools.partial(qa_step.dense_scores, **kw))
         self._bm25 = None
         self._texts: dict[int, str] = {}
 
@@ -147,6 +156,8 @@ class Predictor:
         if self.retriever == "dense":
             ids, scores = self._search(params, q_ids, self.index.emb, self.index.tokens)
             return sharding.to_host((ids, scores))
+        if self.retriever == "hybrid":
+            return self._hybrid(params, questions, q_ids)
         real = [i for i, t in enumerate(questions) if t]  # the batch's padding rows stay 0
         ids = np.zeros((len(questions), self.depth), np.int32)
         scores = np.zeros((len(questions), self.depth), np.float32)
@@ -154,6 +165,37 @@ class Predictor:
             found, s = self.bm25().search([questions[i] for i in real], self.depth)
             ids[real], scores[real] = found, s
         return ids, scores
+
+    def _hybrid(self, params, questions: list[str], q_ids):
+        """DPR's hybrid: the union of the dense and BM25 top `pool` blocks, each rescored
+        dense relevance + hybrid_bm25_weight x BM25 score (both exact for every block of the
+        union, not only for the list it came from) -> (ids [B, depth], scores [B, depth])."""
+        dense, _ = sharding.to_host(
+            self._pool_search(params, q_ids, self.index.emb, self.index.tokens)
+        )
+        B, n = dense.shape
+        union = np.full((B, 2 * n), -1, np.int64)
+        real = [i for i, t in enumerate(questions) if t]
+        lexical = np.zeros((B, n), np.int64)
+        if real:
+            lexical[real] = self.bm25().search([questions[i] for i in real], n)[0]
+        for b in range(B):
+            both = list(dict.fromkeys([*dense[b].tolist(), *lexical[b].tolist()]))
+            union[b, : len(both)] = both
+        safe = np.maximum(union, 0)
+        rel = np.asarray(
+            sharding.to_host(
+                self._dense_scores(params, q_ids, safe.astype(np.int32), self.index.emb)
+            ),
+            np.float64,
+        )
+        lex = np.zeros(union.shape, np.float64)
+        if real:
+            lex[real] = self.bm25().scores([questions[i] for i in real], safe[real])
+        score = np.where(union >= 0, rel + self.hybrid_weight * lex, -np.inf)
+        order = np.argsort(-score, axis=1, kind="stable")[:, : self.depth]
+        ids = np.take_along_axis(safe, order, 1).astype(np.int32)
+        return ids, np.take_along_axis(score, order, 1).astype(np.float32)
 
     def _gold(self, chunk, answer_ids, batch_size: int, by_doc):
         """The gold retriever: (block ids [B, R] int32, missing [len(chunk)] bool): each
@@ -199,6 +241,8 @@ class Predictor:
                 added = None  # dense (and gold): the dense relevance, as in training
                 if self.retriever == "bm25":
                     added = (self.bm25_weight * scores[:, :R]).astype(np.float32)
+                elif self.retriever == "hybrid":  # its own score: dense + weight x BM25
+                    added = scores[:, :R].astype(np.float32)
                 pred = sharding.to_host(
                     self._predict(
                         params, q_ids, ids[:, :R], self.index.emb, self.index.tokens, added
@@ -304,8 +348,8 @@ class Predictor:
                 ),
                 "span_score": float(pred["block_span_score"][b, j]),
             }
-            if self.retriever == "bm25":
-                entry["bm25"] = float(scores[b, j])
+            if self.retriever in ("bm25", "hybrid"):  # that retriever's own score
+                entry[self.retriever] = float(scores[b, j])
             top.append(entry)
         return {
             "question": ex.question,

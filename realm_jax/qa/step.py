@@ -371,6 +371,14 @@ def search(params, question_ids, index_emb, index_tokens, *, model, mesh, k, num
     return ids, scores
 
 
+def dense_scores(params, question_ids, block_ids, index_emb, *, model, mesh):
+    """The dense relevance q . e of any blocks block_ids [B, n] -> [B, n] (the hybrid
+    retriever rescores blocks that BM25 found and the dense top-k did not)."""
+    q = embed_query_tokens(model, params, question_ids)
+    rows = mips.fetch_rows(mesh, index_emb, block_ids)
+    return jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype))
+
+
 def block_has_answer(block_ids, answers, index_tokens, *, mesh):
     """[B, k] whether each block holds an answer (recall@k), for any retriever's ids."""
     return contains_answer(mips.fetch_rows(mesh, index_tokens, block_ids), answers)

@@ -109,8 +109,11 @@ def _finetune_and_evaluate(qa_files, tmp_path):
     assert best.best_step() == max(ems, key=lambda s: (ems[s], s))  # a tie keeps the newest
     assert best.all_steps() == [best.best_step()]  # only the best one is kept
 
-    for retriever in ("dense", "bm25"):
-        weight = ("--config.qa.bm25_weight=0.5",) if retriever == "bm25" else ()
+    for retriever in ("dense", "bm25", "hybrid"):
+        weight = {
+            "bm25": ("--config.qa.bm25_weight=0.5",),
+            "hybrid": ("--config.qa.hybrid_bm25_weight=0.25", "--config.qa.hybrid_pool=6"),
+        }.get(retriever, ())
         r = _cli(root, ddir, work, "evaluate", "--retriever", retriever, "--limit", "16", *weight)
         assert r.returncode == 0, r.stderr[-3000:]
         out = os.path.join(paths.eval_dir(work), f"qa.{retriever}")
@@ -125,11 +128,29 @@ def _finetune_and_evaluate(qa_files, tmp_path):
         # with the best span score + retrieval score (dense relevance; 0.5 x BM25's score)
         for p in preds:
             top = p["top_blocks"]
-            added = [b["score"] if retriever == "dense" else 0.5 * b["bm25"] for b in top]
+            added = [
+                {"dense": b["score"], "bm25": 0.5 * b.get("bm25", 0), "hybrid": b.get("hybrid")}[
+                    retriever
+                ]
+                for b in top
+            ]
             joint = [b["span_score"] + a for b, a in zip(top, added)]
             chosen = top[int(np.argmax(joint))]
             assert chosen["id"] == p["block"]["id"] and chosen["span"] == p["prediction"], p
             np.testing.assert_allclose(max(joint), p["score"], rtol=1e-5, atol=1e-5)
+        if retriever == "hybrid":  # dense relevance + 0.25 x BM25 (its top-k search's scores)
+            from realm_jax.index.bm25 import BM25Retriever
+
+            src = datasets.blocks_source(ddir)
+            recs = src.__getitems__(range(len(src)))
+            lexical = BM25Retriever([f"{r['title'].decode()}\n{r['text'].decode()}" for r in recs])
+            for p in preds:
+                ids, sc = lexical.search([p["question"]], len(recs))
+                bm25 = dict(zip(ids[0].tolist(), sc[0].tolist()))
+                top = p["top_blocks"]
+                want = [b["score"] + 0.25 * bm25[b["id"]] for b in top]
+                np.testing.assert_allclose([b["hybrid"] for b in top], want, rtol=1e-4, atol=1e-4)
+                assert want == sorted(want, reverse=True)  # read best first
 
     # a fine-tuning workdir as another run's warm start (model.init_from_realm): its trained
     # span head comes too only when asked for (a reading phase before ORQA fine-tuning)

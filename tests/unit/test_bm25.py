@@ -151,3 +151,15 @@ def test_recall_at_k():
     assert recall_at_k(retrieved, gold) == {"recall@1": 0.25, "recall@5": 0.5}
     with pytest.raises(ValueError):
         recall_at_k(retrieved, gold[:2])
+
+
+def test_scores_of_any_blocks_match_reference():
+    """scores(queries, ids): BM25's score of any block (the hybrid's rescoring), not a top-k."""
+    r = BM25Retriever(TEXTS)
+    ids = np.array([[5, 0, 3], [1, 1, 4], [2, 0, 5], [0, 1, 2], [3, 4, 5]])
+    got = r.scores(QUERIES, ids)
+    for qi, query in enumerate(QUERIES):
+        ref = _reference_scores(query, 0.9, 0.4)
+        np.testing.assert_allclose(got[qi], ref[ids[qi]], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 6\)"):
+        r.scores(QUERIES[:1], np.array([[6]]))
