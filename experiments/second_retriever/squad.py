@@ -1,0 +1,172 @@
+"""A second retriever's candidates on SQuAD's paragraphs (issue 46) -> this study's README.md.
+
+    python experiments/second_retriever/squad.py [--root runs/second-retriever] [--arms ...]
+
+Runs, as a user would (`python -m realm_jax ...` from the repository root, ../shared beside
+it), into --root: the prepared data (`prepare`, configs/realm.py:squad), the ICT warm start
+(`ict`, configs/ict.py:squad), then one run per arm (ARMS), each starting from the same ICT
+checkpoint:
+
+  realm      the squad recipe as it was (REALM, dense candidates only)
+  bm25       the squad recipe with BM25's top BM25_M blocks joined to each masked sentence's
+             candidates (train.bm25_candidates) and the world's lessons: a reading phase of
+             READ steps (the embedders frozen, the reader reading the joined candidates), then
+             the embedders at a tenth of the LR with their own warmup
+  imitation  the BM25-imitation control: the ICT embedders trained contrastively on
+             (masked sentence, BM25's top block) pairs (`ict --config.ict.positives=bm25`) for
+             as many steps as the bm25 arm trains its embedders; no reader
+
+Every arm's retriever (and ICT's) is then scored zero-shot on the held-out articles' questions
+(configs/orqa.py:squad's dev split: `evaluate --checkpoint initial --retrieval_only`, recall@k
+of answer-holding blocks over the whole corpus), densely and as the hybrid (DPR's: dense +
+qa.hybrid_bm25_weight x BM25 over the union of both top lists), beside BM25 alone; and each
+arm is compared with ICT's start and with the imitation control on the same questions (the
+exact sign test on the questions one gains and the other loses: experiments/tools/
+paired_retrieval.py). A finished stage is read, not rerun (--rerun ARM to redo one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:  # run as a script: the repo root, so the sibling packages import
+    sys.path.insert(0, REPO)
+
+from benchmarks._report import write_section  # noqa: E402
+from experiments.tools import paired_retrieval as paired  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+REALM, ICT, ORQA = "configs/realm.py:squad", "configs/ict.py:squad", "configs/orqa.py:squad"
+BERT = "../shared/models/bert-tiny-mlm"
+BM25_M = 4  # BM25 blocks joined to each masked sentence's dense candidates
+STEPS = 400  # REALM steps (the squad recipe's)
+READ = 100  # the bm25 arm's reading phase: the embedders frozen
+ARMS = {
+    "realm": [],
+    "bm25": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        f"--config.train.embedders_frozen_steps={READ}",
+        "--config.train.embedders_warmup_steps=20",
+    ],
+    "imitation": [f"--config.train.steps={STEPS - READ}", "--config.ict.positives=bm25"],
+}
+KS = (5, 20)
+
+
+def run(args: list[str], log: str) -> float:
+    cmd = [sys.executable, "-m", "realm_jax", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t = time.time()
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    with open(log, "w") as f:
+        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+    print(f"  done in {time.time() - t:.0f} s (log {log})", flush=True)
+    return time.time() - t
+
+
+def done(workdir: str) -> bool:
+    path = os.path.join(workdir, "metrics.json")
+    return os.path.exists(path) and json.load(open(path)).get("complete", False)
+
+
+def zeroshot(root: str, arm: str, retriever_dir: str | None, retriever: str) -> str:
+    """`evaluate --retrieval_only` of one retriever on the held-out questions: the prefix of
+    its predictions and metrics files (dense and hybrid: the warm start's embedders, before
+    any fine-tuning; bm25: no model)."""
+    work = os.path.join(root, "zeroshot", arm)
+    out = os.path.join(work, "eval", retriever)
+    if not os.path.exists(out + ".metrics.json"):
+        args = ["evaluate", "--config", ORQA, "--workdir", work, "--output", out]
+        args += ["--retrieval_only", "--retriever", retriever]
+        if retriever_dir is not None:
+            args += ["--checkpoint", "initial"]
+        args += [
+            "--config.model.init_from_realm=",
+            f"--config.model.init_reader_from={BERT}",
+            f"--config.model.init_embedders_from_ict={retriever_dir or ''}",
+        ]
+        run(args, out + ".log")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default="runs/second-retriever", help="folder of every run")
+    p.add_argument("--arms", default="bm25,imitation", help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--rerun", default="", help="comma list of arms to run again")
+    a = p.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
+    root = os.path.join(REPO, a.root) if not os.path.isabs(a.root) else a.root
+    data = os.path.join(root, "data")
+    paths = [f"--config.data.data_dir={data}"]
+    times = {}
+    if not os.path.exists(os.path.join(data, "summary.json")):
+        times["prepare"] = run(
+            ["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log"
+        )
+    ict = os.path.join(root, "ict")
+    if not done(ict):
+        times["ict"] = run(["ict", "--config", ICT, "--workdir", ict, *paths], f"{root}/ict.log")
+    for arm in arms:
+        wd = os.path.join(root, arm)
+        if arm in a.rerun.split(",") or not done(wd):
+            subprocess.run(["rm", "-rf", wd, os.path.join(root, "zeroshot", arm)], check=True)
+            start = [f"--config.model.init_embedders_from_ict={ict}"]
+            task = ["ict", "--config", ICT] if arm == "imitation" else ["train", "--config", REALM]
+            times[arm] = run([*task, "--workdir", wd, *paths, *start, *ARMS[arm]], f"{wd}.log")
+    files = {"BM25": zeroshot(root, "bm25-alone", None, "bm25")}
+    for arm in ["ict", *arms]:
+        wd = os.path.join(root, arm)
+        files[arm] = zeroshot(root, arm, wd, "dense")
+        files[f"{arm} hybrid"] = zeroshot(root, arm, wd, "hybrid")
+    records = {name: paired.load(f + ".predictions.jsonl") for name, f in files.items()}
+    metrics = {name: json.load(open(f + ".metrics.json")) for name, f in files.items()}
+    rows = []
+    for name, m in metrics.items():
+        cells = [f"{100 * m[f'recall@{k}']:.1f}" for k in KS]
+        rows.append(f"| {name} | {int(m['questions'])} | " + " | ".join(cells) + " |")
+    table = "| retriever | questions | " + " | ".join(f"recall@{k}" for k in KS) + " |\n"
+    table += "|---|---|" + "---|" * len(KS) + "\n" + "\n".join(rows)
+    pairs = [(arm, "ict") for arm in arms] + [
+        (arm, "imitation") for arm in arms if arm != "imitation" and "imitation" in arms
+    ]
+    lines = ["| retriever | against | k | gained | lost | difference | p (sign test) |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for arm, base in pairs:
+        for k in KS:
+            mine, theirs = paired.hits(records[arm], k), paired.hits(records[base], k)
+            gained = sum(x and not y for x, y in zip(mine, theirs, strict=True))
+            lost = sum(y and not x for x, y in zip(mine, theirs, strict=True))
+            diff = 100 * (gained - lost) / len(mine)
+            p_value = paired.sign_test(gained, lost)
+            lines.append(
+                f"| {arm} | {base} | {k} | {gained} | {lost} | {diff:+.1f} | {p_value:.2g} |"
+            )
+    body = (
+        f"`python experiments/second_retriever/squad.py --root {a.root} --arms {a.arms}`: "
+        "zero-shot recall@k of answer-holding blocks on the held-out articles' questions "
+        f"({ORQA}'s dev split) over the whole corpus; every arm from the same ICT start "
+        f"({ICT}); hybrid: dense + qa.hybrid_bm25_weight x BM25 over the union of both top "
+        "lists.\n\n" + table + "\n\nPaired on the same questions:\n\n" + "\n".join(lines)
+    )
+    if times:
+        body += "\n\nWall time of the stages run now (s): " + json.dumps(
+            {k: round(v) for k, v in times.items()}
+        )
+    write_section(f"SQuAD: {a.arms}", body, doc=RESULTS)
+    print(table)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
