@@ -69,6 +69,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # span score. (DPR weighs the dense side: BM25 + 1.1 x sim; the weight here is BM25's.)
     q.hybrid_pool = 100  # blocks each retriever contributes to the union
     q.hybrid_bm25_weight = 1.0  # BM25's weight in the hybrid score
+    # the retriever of finetune's periodic dev evaluation (and so of the best checkpoint kept):
+    # dense (ORQA's), bm25 or hybrid; training itself reads the dense top blocks (ORQA's loss)
+    q.dev_retriever = "dense"  # dense, bm25 or hybrid (above)
     q.best_metric = "exact_match"  # dev metric whose best checkpoint is kept (<workdir>/best)
     # A deviation from ORQA, which has no gold passages (REALM and ORQA fine-tune on NQ): when a
     # question's gold block (the answer-holding block of its SQuAD gold_passage) is not among

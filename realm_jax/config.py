@@ -227,6 +227,7 @@ CHOICES = {
     "data.eval_mask_mode": ("", "salient", "random_span", "uniform"),  # "" = data.mask_mode
     "train.null_doc": ("scored", "fixed"),  # = pretrain/step.py NULL_DOCS
     "ict.positives": ("own_block", "bm25"),
+    "qa.dev_retriever": ("dense", "bm25", "hybrid"),
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),
     "refresh.mode": ("external", "inprocess", "amortized"),

@@ -51,6 +51,9 @@ ARMS = {
     "stale": ["--config.refresh.every=600"],
     # BM25's top 4 blocks for each masked sentence join the dense candidates (issue 46)
     "bm25": [f"--config.train.bm25_candidates={BM25_M}"],
+    # ... with the embedders at the reader's learning rate (the recipe's tenth was chosen
+    # against a collapse with dense candidates only)
+    "bm25_lr": [f"--config.train.bm25_candidates={BM25_M}", "--config.train.embedder_lr_scale=1"],
     # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
     # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many
     # steps as REALM trains them, then scored as every arm is (a REALM run of one step with

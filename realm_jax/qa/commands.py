@@ -103,7 +103,8 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
     step_fn = qa_step.compile_train_step(config, mesh, model, optimizer, shardings, len(tokens))
     evaluate = None
     if dev:
-        predictor = Predictor(config, mesh, model, index, ddir, "dense")
+        retriever = config.qa.get("dev_retriever", "dense")  # the dev evaluation's
+        predictor = Predictor(config, mesh, model, index, ddir, retriever)
         dev_eval = DevEvaluator(config, predictor, dev)
         best = checkpoint.best_manager(paths.best_dir(workdir), config.qa.best_metric)
 
