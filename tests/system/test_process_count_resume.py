@@ -37,7 +37,9 @@ def data_dir(tmp_path_factory):
     return prepare_sample_head(tmp_path_factory, config, 60)
 
 
-def _start(workdir: str, processes: int, data_dir: str, log: str) -> list[subprocess.Popen]:
+def _start(
+    workdir: str, processes: int, data_dir: str, log: str, extra=()
+) -> list[subprocess.Popen]:
     """`realm-jax train` on 4 fake CPU devices in all: one process, or `processes`
     jax.distributed processes on loopback (4 / processes devices each). XLA's programs go to
     a persistent compilation cache beside `log`, so that the resumes, which run the programs
@@ -50,6 +52,7 @@ def _start(workdir: str, processes: int, data_dir: str, log: str) -> list[subpro
         *("--cpu_devices", str(4 // processes)),
         *[f"--config.{o}" for o in RUN],
         f"--config.data.data_dir={data_dir}",
+        *[f"--config.{o}" for o in extra],
     ]
     env = {
         **os.environ,
@@ -165,3 +168,20 @@ def test_resume_with_another_process_count(data_dir, tmp_path):
         assert not os.path.exists(paths.damaged_checkpoint_dir(w)), w
         kept = sorted(int(n) for n in os.listdir(paths.checkpoint_dir(w)) if n.isdigit())
         assert kept == [0, SAVED_AT, STEPS], w
+
+
+def test_bm25_candidates_on_two_processes_match_one(data_dir, tmp_path):
+    """train.bm25_candidates on a pod's process layout: each of 2 processes reads the BM25
+    candidates of its own rows of the global batch (the file computed once, by process 0 of
+    the first run), and the losses equal one process's on the same examples (to 1e-5)."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    logs = {k: str(tmp_path / k) for k in ("one", "two")}
+    extra = ["train.bm25_candidates=2"]
+    _wait({"one": _start(one, 1, data_dir, logs["one"], extra)}, logs)  # computes the file
+    out = _wait({"two": _start(two, 2, data_dir, logs["two"], extra)}, logs)["two"]
+    assert "BM25 candidates: " not in out  # read from the data dir, not computed again
+    loss_one, loss_two = _losses(one), _losses(two)
+    assert sorted(loss_one) == sorted(loss_two) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        np.testing.assert_allclose(loss_two[step], loss_one[step], rtol=1e-5, err_msg=str(step))
+    assert open(f"{logs['one']}.0").read().count("span_in_candidates_dense") > 0
