@@ -195,6 +195,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # its gradient can pull towards a block the dense retriever does not find yet. Held-out
     # evaluation stays dense-only. Needs data.mask_mode=salient. 0 = off (the release).
     c.train.bm25_candidates = 0  # BM25 blocks added to each query's candidates (above)
+    # The copying curriculum for sentences cut from the corpus (not in the release; issue 46):
+    # for the first N steps each masked sentence gets a block of its own article (never its own
+    # block) that holds the masked span among its candidates, read as own_block_steps' document
+    # block is (the reader reads it alone, and REALM's loss runs over the others); the blocks
+    # are found once with BM25's candidates (<data_dir>/candidates/). Needs salient masks.
+    c.train.article_block_steps = 0  # steps of that curriculum; 0 = none
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2

@@ -69,6 +69,7 @@ SHARED_TRAIN_FIELDS = (
     "train.grad_accum",  # REALM's micro-batches: ICT and fine-tuning take one pass
     "train.null_doc",  # REALM's null document: ICT and fine-tuning have none
     "train.bm25_candidates",  # REALM's second retriever: ICT and fine-tuning do not read it
+    "train.article_block_steps",  # REALM's curriculum: ICT and fine-tuning have none
 )
 
 
@@ -265,6 +266,7 @@ RANGES = {
     "train.embedders_frozen_steps": _at_least(0),
     "train.own_block_steps": _at_least(0),
     "train.bm25_candidates": _at_least(0),
+    "train.article_block_steps": _at_least(0),
     "train.embedders_warmup_steps": _at_least(0),
     "train.weight_decay": _at_least(0),
     "train.grad_clip": ((lambda v: v > 0), "positive"),
@@ -411,12 +413,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 "the own block can be retrieved learns the trivial match (the release always "
                 "excludes the own block)"
             )
-        m, mode = _get(config, "train.bm25_candidates"), _get(config, "data.mask_mode")
-        if m is not _MISSING and m > 0 and mode not in (_MISSING, "salient"):
-            problems.append(
-                f"train.bm25_candidates={m}: needs data.mask_mode=salient, not {mode!r} (BM25's "
-                "candidates are retrieved once per salient span at prepare time)"
-            )
+        mode = _get(config, "data.mask_mode")
+        for key in ("train.bm25_candidates", "train.article_block_steps"):
+            m = _get(config, key)
+            if m is not _MISSING and m > 0 and mode not in (_MISSING, "salient"):
+                problems.append(
+                    f"{key}={m}: needs data.mask_mode=salient, not {mode!r} (its blocks are "
+                    "found once per salient span, with BM25's candidates)"
+                )
         k = _get(config, "train.num_candidates")
         if k is not _MISSING and k < 2:
             problems.append(

@@ -100,7 +100,9 @@ class MaskSpan(grain.transforms.RandomMap):
     # copying curriculum puts among the candidates (train.own_block_steps); None: no gold_block
     gold_of: dict | None = None
     # a second retriever's candidates per (example, span) (data/span_candidates.py): each
-    # example also gets extra_ids [m], those of the span it is masked at (train.bm25_candidates)
+    # example also gets extra_ids [m], those of the span it is masked at (train.bm25_candidates;
+    # none when m = 0), and article_block, a block of its article holding that span (-1 none;
+    # train.article_block_steps)
     extra: object = None  # SpanCandidates or None
 
     def __post_init__(self):
@@ -117,7 +119,11 @@ class MaskSpan(grain.transforms.RandomMap):
         else:  # mask_record's salient draw, the span kept for its candidates
             span = int(rng.integers(len(rec["span_starts"])))
             out = mask_example(rec, span, self.query_len, self.max_predictions)
-            out["extra_ids"] = np.asarray(self.extra.lookup(int(rec["example_id"]), span))
+            row = self.extra.row(int(rec["example_id"]), span)
+            if self.extra.depth:
+                out["extra_ids"] = np.asarray(self.extra.ids[row])
+            if self.extra.article is not None:  # the copying curriculum's block for it
+                out["article_block"] = np.int32(self.extra.article[row])
         if self.gold_of is not None:
             out["gold_block"] = np.int32(gold_block(rec, self.gold_of))
         if "example_id" in rec:  # host-side only: the loop takes it out before the device

@@ -12,7 +12,10 @@ so the second retriever never sees the answer. Files (one pair per split, "train
   <data_dir>/candidates/<split>.npz    example_ids [E] int64 (sorted), offsets [E + 1] int64
                                        (example e's spans are rows offsets[e]..offsets[e+1]-1,
                                        in span order), ids [R, m] int32 (block ids, best
-                                       first, -1 padded; the example's own block excluded)
+                                       first, -1 padded; the example's own block excluded),
+                                       article [R] int32 (a block of the example's article,
+                                       not its own, that holds the span; -1 none: the copying
+                                       curriculum of train.article_block_steps)
   <data_dir>/candidates/<split>.json   what they were made from: the prepare's fingerprint and
                                        creation time, the retriever, m; written LAST
 
@@ -33,7 +36,7 @@ from realm_jax import tokenization as tk
 from realm_jax.data.datasets import PrepareError
 
 FOLDER = "candidates"
-FORMAT = 1
+FORMAT = 2  # 2: the article column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,17 @@ class SpanCandidates:
     offsets: np.ndarray  # [E + 1] int64
     ids: np.ndarray  # [R, m] int32, -1 padded
     meta: dict
+    article: np.ndarray | None = None  # [R] int32, -1 none
+
+    def row(self, example_id: int, span: int) -> int:
+        """The row of example `example_id` masked at its span `span`."""
+        e = int(np.searchsorted(self.example_ids, example_id))
+        if e >= len(self.example_ids) or self.example_ids[e] != example_id:
+            raise KeyError(f"example {example_id} has no candidates ({self.meta.get('split')})")
+        row = int(self.offsets[e]) + span
+        if row >= int(self.offsets[e + 1]):
+            raise KeyError(f"example {example_id} has no span {span}")
+        return row
 
     @property
     def depth(self) -> int:
@@ -51,13 +65,7 @@ class SpanCandidates:
 
     def lookup(self, example_id: int, span: int) -> np.ndarray:
         """[depth] int32 block ids of example `example_id` masked at its span `span`."""
-        e = int(np.searchsorted(self.example_ids, example_id))
-        if e >= len(self.example_ids) or self.example_ids[e] != example_id:
-            raise KeyError(f"example {example_id} has no candidates ({self.meta.get('split')})")
-        row = int(self.offsets[e]) + span
-        if row >= int(self.offsets[e + 1]):
-            raise KeyError(f"example {example_id} has no span {span}")
-        return self.ids[row]
+        return self.ids[self.row(example_id, span)]
 
     def truncated(self, depth: int) -> SpanCandidates:
         """The first `depth` candidates of each row (a file made deeper serves a shallower ask)."""
@@ -86,7 +94,14 @@ def save(data_dir: str, split: str, cands: SpanCandidates) -> None:
     arrays, meta = paths(data_dir, split)
     fs.makedirs(fs.join(data_dir, FOLDER))
     buf = io.BytesIO()
-    np.savez(buf, example_ids=cands.example_ids, offsets=cands.offsets, ids=cands.ids)
+    article = cands.article if cands.article is not None else np.full(len(cands.ids), -1)
+    np.savez(
+        buf,
+        example_ids=cands.example_ids,
+        offsets=cands.offsets,
+        ids=cands.ids,
+        article=article.astype(np.int32),
+    )
     fs.remove(meta)  # a reader never pairs the new arrays with the old metadata
     fs.write_bytes(arrays, buf.getvalue())
     fs.write_text(meta, json.dumps(dict(cands.meta, format=FORMAT), indent=2, sort_keys=True))
@@ -112,7 +127,7 @@ def load(data_dir: str, split: str, summary: dict, retriever: str, depth: int):
     try:
         with fs.open(arrays, "rb") as f:
             z = np.load(io.BytesIO(f.read()), allow_pickle=False)
-            out = SpanCandidates(z["example_ids"], z["offsets"], z["ids"], meta)
+            out = SpanCandidates(z["example_ids"], z["offsets"], z["ids"], meta, z["article"])
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
         raise PrepareError(
             f"{arrays} is damaged ({e}); delete {fs.join(data_dir, FOLDER)} and run again: "

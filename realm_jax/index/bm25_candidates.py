@@ -33,20 +33,54 @@ def block_texts(data_dir: str) -> list[str]:
 
 
 def span_queries(data_dir: str, split: str):
-    """(example_ids [E], offsets [E + 1], queries [R], own block [R]) of a split, examples in
-    example-id order, each example's spans in their stored order."""
+    """(example_ids [E], offsets [E + 1], queries [R], own block [R], spans) of a split,
+    examples in example-id order, each example's spans in their stored order; spans[r] is
+    (the example's title, the span's wordpieces)."""
     src = datasets.examples_source(data_dir, split)
     recs = list(src.__getitems__(range(len(src))))
     recs.sort(key=lambda r: int(r["example_id"]))
     tok = tk.load_tokenizer()
-    ids, offsets, queries, own = [], [0], [], []
+    ids, offsets, queries, own, spans = [], [0], [], [], []
     for r in recs:
         ids.append(int(r["example_id"]))
+        title = r["title"].decode() if "title" in r else ""
         for a, b in zip(r["span_starts"], r["span_ends"], strict=True):
             queries.append(sc.span_query(r["token_ids"], int(a), int(b), tok))
             own.append(int(r["block_id"]))
+            spans.append((title, np.asarray(r["token_ids"][int(a) : int(b) + 1], np.int32)))
         offsets.append(len(queries))
-    return np.asarray(ids, np.int64), np.asarray(offsets, np.int64), queries, np.asarray(own)
+    return np.asarray(ids, np.int64), np.asarray(offsets, np.int64), queries, np.asarray(own), spans
+
+
+def article_blocks(data_dir: str, spans, own: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """[R] for each (example, span): a block of the example's article (its title), not its own
+    block, whose wordpieces hold the span's as one run (-1: none): BM25's best such block
+    among `found` [R, m], else the first in the corpus. The copying curriculum's blocks for
+    sentences cut from the corpus (train.article_block_steps)."""
+    tokens, _, titles = datasets.load_blocks(data_dir)
+    by_title: dict[str, list[int]] = {}
+    for i, t in enumerate(titles):
+        by_title.setdefault(t, []).append(i)
+    rows = [tokens[i].tobytes() for i in range(len(tokens))]
+
+    def holds(block: int, run: bytes) -> bool:
+        at = rows[block].find(run)
+        while at >= 0 and at % 4:  # an int32 boundary, not a match across two wordpieces
+            at = rows[block].find(run, at + 1)
+        return at >= 0
+
+    out = np.full(len(spans), -1, np.int32)
+    for r, (title, piece) in enumerate(spans):
+        same = by_title.get(title, ())
+        if not len(piece) or len(same) < 2:
+            continue
+        run = piece.tobytes()
+        ranked = [int(b) for b in found[r] if b >= 0 and titles[b] == title]
+        for b in [*ranked, *same]:
+            if b != own[r] and holds(b, run):
+                out[r] = b
+                break
+    return out
 
 
 def build(data_dir: str, split: str, depth: int) -> sc.SpanCandidates:
@@ -56,7 +90,7 @@ def build(data_dir: str, split: str, depth: int) -> sc.SpanCandidates:
     texts = block_texts(data_dir)
     depth = min(depth, len(texts) - 1)
     bm25 = BM25Retriever(texts)
-    example_ids, offsets, queries, own = span_queries(data_dir, split)
+    example_ids, offsets, queries, own, spans = span_queries(data_dir, split)
     out = np.full((len(queries), depth), -1, np.int32)
     log.info(
         "BM25 candidates: %d spans of %d %s examples over %d blocks, top %d each",
@@ -79,6 +113,7 @@ def build(data_dir: str, split: str, depth: int) -> sc.SpanCandidates:
             spent,
             spent / done - spent,
         )
+    article = article_blocks(data_dir, spans, own, out)
     meta = {
         "split": split,
         "retriever": RETRIEVER,
@@ -88,9 +123,10 @@ def build(data_dir: str, split: str, depth: int) -> sc.SpanCandidates:
         "spans": len(queries),
         "examples": len(example_ids),
         "no_candidates": int((out[:, 0] < 0).sum()) if depth else len(queries),
+        "article_blocks": int((article >= 0).sum()),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    return sc.SpanCandidates(example_ids, offsets, out, meta)
+    return sc.SpanCandidates(example_ids, offsets, out, meta, article)
 
 
 def ensure(data_dir: str, depth: int, split: str = "train") -> sc.SpanCandidates:

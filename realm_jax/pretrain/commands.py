@@ -67,7 +67,9 @@ def _train(
         gold_of = {}
         for i, t in enumerate(titles):
             gold_of.setdefault(t, i)
-    extra = bm25_candidates.ensure(ddir, extra_m) if extra_m > 0 else None
+    extra = None
+    if extra_m > 0 or int(tc.get("article_block_steps", 0)) > 0:  # (the file holds both)
+        extra = bm25_candidates.ensure(ddir, max(extra_m, 1)).truncated(extra_m)
     loader = pipeline.train_loader(
         config,
         ddir,

@@ -437,14 +437,19 @@ def train_step(
     own_block_steps: int = 0,
     grad_accum: int = 1,
     fixed_null: bool = False,
+    article_block_steps: int = 0,
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
     the masked sentence's own block is not excluded from retrieval, and a separate text's
     sentence gets its document's block (the batch's gold_block) among its candidates
-    (train.own_block_steps: the reader's copying curriculum).
+    (train.own_block_steps: the reader's copying curriculum). article_block_steps: before
+    that step a sentence cut from the corpus gets a block of its article (not its own) that
+    holds the masked span (the batch's article_block) among its candidates, read as the
+    curriculum reads a document's block (train.article_block_steps).
     grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass."""
     batch = dict(batch)
     gold = batch.pop("gold_block", None)
+    article = batch.pop("article_block", None)
     if gold is not None:  # a separate text's sentence: its document's block (coverage)
         batch["doc_block"] = jnp.where(batch["block_id"] < 0, gold, -1).astype(jnp.int32)
     if own_block_steps > 0:
@@ -453,6 +458,11 @@ def train_step(
             batch["inject"] = jnp.where(early & (batch["block_id"] < 0), gold, -1).astype(jnp.int32)
         own = jnp.where(early, -1, batch["block_id"])
         batch["block_id"] = own.astype(batch["block_id"].dtype)
+    if article_block_steps > 0 and article is not None:  # a corpus sentence: an article block
+        put = jnp.where(state.step < article_block_steps, article, -1).astype(jnp.int32)
+        batch["inject"] = (
+            jnp.where(batch["inject"] >= 0, batch["inject"], put) if "inject" in batch else put
+        )
     rng = None  # dropout keys depend only on (seed, step): the same on any mesh
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -497,6 +507,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         own_block_steps=int(config.train.get("own_block_steps", 0)),
         grad_accum=int(config.train.get("grad_accum", 1)),
         fixed_null=fixed_null(config),
+        article_block_steps=int(config.train.get("article_block_steps", 0)),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(

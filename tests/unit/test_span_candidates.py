@@ -151,3 +151,43 @@ def test_bm25_candidates_need_salient_masks():
         validate(bad)
     with pytest.raises(ConfigError, match="needs data.mask_mode=salient"):  # the loader too
         pipeline.MaskSpan(8, 2, "uniform", extra=object())
+
+
+def test_article_blocks_hold_the_span_in_the_sentences_article(ddir, cands):
+    """The copying curriculum's block of each (sentence, span): of the sentence's title, not
+    its own block, holding the span's wordpieces as one run; -1 only where no such block is."""
+    src = datasets.examples_source(ddir)
+    tokens, _, titles = datasets.load_blocks(ddir)
+
+    def run_in(row, piece):
+        return any(np.array_equal(row[i : i + len(piece)], piece) for i in range(len(row)))
+
+    have = 0
+    for r in (src[i] for i in range(len(src))):
+        for s, (a, b) in enumerate(zip(r["span_starts"], r["span_ends"], strict=True)):
+            got = int(cands.article[cands.row(int(r["example_id"]), s)])
+            piece = np.asarray(r["token_ids"][int(a) : int(b) + 1])
+            title, own = r["title"].decode(), int(r["block_id"])
+            if got >= 0:
+                have += 1
+                assert titles[got] == title and got != own and run_in(tokens[got], piece)
+            else:
+                same = [i for i, t in enumerate(titles) if t == title and i != own]
+                assert not any(run_in(tokens[i], piece) for i in same)
+    assert have > 0
+    assert cands.meta["article_blocks"] == int((cands.article >= 0).sum())
+
+
+def test_batches_carry_the_article_block_of_the_span_they_mask(ddir, cands):
+    loader = pipeline.train_loader(tiny_config(), ddir, global_batch_size=8, seed=0, extra=cands)
+    src = datasets.examples_source(ddir)
+    batch = next(iter(loader))
+    for row in range(8):
+        rec = src[int(batch["example_id"][row])]
+        span = list(rec["span_starts"]).index(int(batch["mlm_positions"][row, 0]))
+        want = cands.article[cands.row(int(rec["example_id"]), span)]
+        assert batch["article_block"][row] == want
+    none = pipeline.train_loader(
+        tiny_config(), ddir, global_batch_size=8, seed=0, extra=cands.truncated(0)
+    )
+    assert "extra_ids" not in next(iter(none))  # article blocks alone: no BM25 candidates
