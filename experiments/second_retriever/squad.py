@@ -12,6 +12,9 @@ checkpoint:
              candidates (train.bm25_candidates) and the world's lessons: a reading phase of
              READ steps (the embedders frozen, the reader reading the joined candidates), then
              the embedders at a tenth of the LR with their own warmup
+  bm25_article  the bm25 arm with a copying curriculum for its first COPY steps: each
+             sentence also reads a block of its own article holding the masked span
+             (train.article_block_steps), as the world's curriculum reads the fact's document
   imitation  the BM25-imitation control: the ICT embedders trained contrastively on
              (masked sentence, BM25's top block) pairs (`ict --config.ict.positives=bm25`) for
              as many steps as the bm25 arm trains its embedders; no reader
@@ -46,11 +49,20 @@ REALM, ICT, ORQA = "configs/realm.py:squad", "configs/ict.py:squad", "configs/or
 BERT = "../shared/models/bert-tiny-mlm"
 BM25_M = 4  # BM25 blocks joined to each masked sentence's dense candidates
 STEPS = 400  # REALM steps (the squad recipe's)
-READ = 100  # the bm25 arm's reading phase: the embedders frozen
+READ = 100  # the bm25 arms' reading phase: the embedders frozen
+COPY = 50  # the bm25_article arm's copying curriculum (within the reading phase)
 ARMS = {
     "realm": [],
     "bm25": [
         f"--config.train.bm25_candidates={BM25_M}",
+        f"--config.train.embedders_frozen_steps={READ}",
+        "--config.train.embedders_warmup_steps=20",
+    ],
+    # ... and the world's copying curriculum carried to real text: for the first COPY steps
+    # each sentence reads a block of its own article that holds the masked span
+    "bm25_article": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        f"--config.train.article_block_steps={COPY}",
         f"--config.train.embedders_frozen_steps={READ}",
         "--config.train.embedders_warmup_steps=20",
     ],
