@@ -930,6 +930,18 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
         return out
 
     masked = w.sum(1) > 0
+    # the own document (a separate text's doc_block): half the rows' is the joined new block
+    doc = np.where(np.arange(B) % 2 == 0, new, -1).astype(np.int32)
+    doc[1] = plain[1, 0]  # ... one a dense hit
+    _, docs = loss(
+        state.params,
+        sharding.global_batch(dict(batch, extra_ids=extra, doc_block=doc), mesh),
+        *index,
+    )
+    has = doc >= 0
+    np.testing.assert_allclose(float(docs["doc_in_candidates"]), 1.0)
+    want = np.mean([doc[b] in plain[b] for b in np.flatnonzero(has)])
+    np.testing.assert_allclose(float(docs["doc_in_candidates_dense"]), want)
     all_ids = np.asarray(joined["retrieved_ids"])
     np.testing.assert_allclose(
         float(joined["span_in_candidates_dense"]), holds(plain)[masked].mean()
