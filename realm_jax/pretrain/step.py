@@ -95,9 +95,8 @@ def retrieve(
     Returns (q_emb [B, D], relevance [B, K], candidate tokens [B, K, Lb], retrieved ids
     [B, K-1], -1 for an empty slot). Candidate 0 is the null document, as in the release
     (example_generator.py prepends an empty Document; model.py scores every candidate with
-    one einsum): the empty
-    block `[CLS] [SEP] [SEP]` embedded by the live document embedder, so its score and
-    gradient are those of any candidate. (A constant score of 0 took all the probability
+    one einsum): the empty block `[CLS] [SEP] [SEP]` embedded by the live document embedder,
+    so its score and gradient are those of any candidate. (A constant score of 0 took all the probability
     whenever an untrained projection scored every retrieved block below 0, and the
     retriever's gradient vanished for good.)
     """
