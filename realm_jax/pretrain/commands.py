@@ -175,6 +175,8 @@ CONSOLE_KEYS = (
     "span_in_candidates_dense",
     "doc_in_candidates",
     "doc_in_candidates_dense",
+    "signal_span",
+    "signal_doc",
     "staleness",
 )
 

@@ -96,9 +96,9 @@ def retrieve(
     [B, K-1], -1 for an empty slot). Candidate 0 is the null document, as in the release
     (example_generator.py prepends an empty Document; model.py scores every candidate with
     one einsum): the empty block `[CLS] [SEP] [SEP]` embedded by the live document embedder,
-    so its score and gradient are those of any candidate. (A constant score of 0 took all the probability
-    whenever an untrained projection scored every retrieved block below 0, and the
-    retriever's gradient vanished for good.)
+    so its score and gradient are those of any candidate. (A constant score of 0 took all the
+    probability whenever an untrained projection scored every retrieved block below 0, and
+    the retriever's gradient vanished for good.)
     """
     q_ids = batch["query_ids"]  # [B, Lq]
     q_emb = embed_query_tokens(model, params, q_ids, rng)  # [B, D]
@@ -301,6 +301,8 @@ def realm_loss(
         fixed_null=fixed_null,
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
+    if "relevance_offset" in batch:  # zeros: its gradient is dLoss/dRelevance (train_step)
+        relevance = relevance + batch["relevance_offset"].astype(relevance.dtype)
 
     def marginal(rel):
         if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
@@ -326,7 +328,34 @@ def realm_loss(
     dense = num_candidates - 1 if "extra_ids" in batch else None
     metrics.update(coverage(cands, ids, targets, weights, gold, dense))
     metrics["retrieved_ids"] = ids
+    if "relevance_offset" in batch:  # for realm_signal, outside the differentiated function
+        metrics["candidate_holds"] = block_holds_targets(cands, targets, weights)[:, 1:] & (
+            ids >= 0
+        )
     return loss, metrics
+
+
+def realm_signal(d_relevance, metrics, weights, gold=None) -> dict:
+    """What REALM's gradient asks of the retriever, from dLoss/dRelevance [B, K]: for each
+    query and candidate, the mean over its masked wordpieces of posterior - prior (the loss is
+    a mean over the batch's targets of -log sum_z p(z|x) p(y_p|x,z), whose gradient on the
+    score of z is -(1/N) sum_p (p(z|x,y_p) - p(z|x))). signal_span: that pull summed over the
+    retrieved blocks that hold the masked span, averaged over the queries that have one;
+    signal_doc: on the own document (a separate text's doc_block), over the queries that have
+    it among their candidates. Above 0: REALM pulls the retriever towards them."""
+    per = weights.astype(jnp.float32).sum(-1)  # [B]
+    total = jnp.maximum(per.sum(), 1.0)
+    pull = -d_relevance.astype(jnp.float32) * total / jnp.maximum(per, 1.0)[:, None]  # [B, K]
+    holds = metrics.pop("candidate_holds")  # [B, K-1]
+    has = holds.any(1) & (per > 0)
+    span = (pull[:, 1:] * holds).sum(1)
+    out = {"signal_span": jnp.where(has, span, 0).sum() / jnp.maximum(has.sum(), 1)}
+    if gold is not None:
+        at = metrics["retrieved_ids"] == gold[:, None]  # [B, K-1]
+        has = at.any(1) & (gold >= 0) & (per > 0)
+        doc = (pull[:, 1:] * at).sum(1)
+        out["signal_doc"] = jnp.where(has, doc, 0).sum() / jnp.maximum(has.sum(), 1)
+    return out
 
 
 def curriculum_loss(marginal, relevance, ids, inject):
@@ -479,10 +508,17 @@ def train_step(
         grads, metrics = accumulated_grads(
             loss_fn, state.params, batch, index_emb, index_tokens, grad_accum, mesh, rng
         )
-    else:
-        (_, metrics), grads = jax.value_and_grad(functools.partial(loss_fn, rng=rng), has_aux=True)(
-            state.params, batch, index_emb, index_tokens
-        )
+    else:  # a zero offset on the relevance gives dLoss/dRelevance in the same pass
+        K = num_candidates + (batch["extra_ids"].shape[1] if "extra_ids" in batch else 0)
+        zeros = jnp.zeros((batch["query_ids"].shape[0], K), jnp.float32)
+
+        def with_offset(params, offset):
+            step_batch = dict(batch, relevance_offset=offset)
+            return loss_fn(params, step_batch, index_emb, index_tokens, rng=rng)
+
+        grad_fn = jax.value_and_grad(with_offset, argnums=(0, 1), has_aux=True)
+        (_, metrics), (grads, d_rel) = grad_fn(state.params, zeros)
+        metrics.update(realm_signal(d_rel, metrics, batch["mlm_weights"], batch.get("doc_block")))
         metrics.pop("retrieved_ids")
     new_state = guarded_update(state, grads, metrics, optimizer)
     for name in grads:

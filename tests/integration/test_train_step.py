@@ -947,3 +947,46 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
         float(joined["span_in_candidates_dense"]), holds(plain)[masked].mean()
     )
     np.testing.assert_allclose(float(joined["span_in_candidates"]), holds(all_ids)[masked].mean())
+
+
+def test_realm_signal_is_the_posterior_minus_prior_computed_by_hand(setup):
+    """realm_signal from dLoss/dRelevance (a zero offset on the scores, differentiated with the
+    parameters in train_step) against posterior - prior from materialised logits in numpy:
+    per query and candidate, the mean over its masked wordpieces of p(z|x,y_p) - p(z|x)."""
+    from realm_jax.model.realm import tied_decoder_logits
+
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    length = inputs.joint_len(config)
+    g = sharding.global_batch(batch, mesh)
+    rel, feats, table, bias, ids, cands = jax.jit(
+        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length)
+    )(state.params, g, *index)
+    logits = np.asarray(tied_decoder_logits(feats, table, bias), np.float64)  # [B, K, P, V]
+    logits -= logits.max(-1, keepdims=True)
+    log_py = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    tgt, w = batch["mlm_targets"], batch["mlm_weights"]
+    log_py = np.take_along_axis(log_py, tgt[:, None, :, None], -1)[..., 0]  # [B, K, P]
+    r = np.asarray(rel, np.float64)
+    prior = np.exp(r - r.max(1, keepdims=True))
+    prior /= prior.sum(1, keepdims=True)  # [B, K]
+    joint = prior[:, :, None] * np.exp(log_py)
+    post = joint / joint.sum(1, keepdims=True)  # [B, K, P]
+    want = ((post - prior[:, :, None]) * w[:, None, :]).sum(-1) / np.maximum(w.sum(-1), 1)[:, None]
+
+    def loss(offset):
+        b = dict(g, relevance_offset=offset)
+        return pretrain_step.realm_loss(state.params, b, *index, **kw, length=length)
+
+    (_, metrics), d_rel = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.zeros(r.shape))
+    got = -np.asarray(d_rel, np.float64) * max(w.sum(), 1) / np.maximum(w.sum(-1), 1)[:, None]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    holds = np.asarray(metrics["candidate_holds"])
+    doc = np.asarray(ids)[:, 0].astype(np.int32)  # each query's first hit as "its document"
+    sig = pretrain_step.realm_signal(d_rel, dict(metrics), jnp.asarray(w), jnp.asarray(doc))
+    has = holds.any(1) & (w.sum(-1) > 0)
+    if has.any():
+        span = (want[:, 1:] * holds).sum(1)[has].mean()
+        np.testing.assert_allclose(float(sig["signal_span"]), span, atol=2e-5)
+    np.testing.assert_allclose(float(sig["signal_doc"]), want[w.sum(-1) > 0, 1].mean(), atol=2e-5)
