@@ -35,7 +35,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:  # run as a script: the repo root, so the sibling packages import
@@ -43,6 +42,7 @@ if REPO not in sys.path:  # run as a script: the repo root, so the sibling packa
 
 from benchmarks._report import write_section  # noqa: E402
 from experiments.tools import paired_retrieval as paired  # noqa: E402
+from experiments.tools.cli_runs import done, run  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 REALM, ICT, ORQA = "configs/realm.py:squad", "configs/ict.py:squad", "configs/orqa.py:squad"
@@ -69,22 +69,6 @@ ARMS = {
     "imitation": [f"--config.train.steps={STEPS - READ}", "--config.ict.positives=bm25"],
 }
 KS = (5, 20)
-
-
-def run(args: list[str], log: str) -> float:
-    cmd = [sys.executable, "-m", "realm_jax", *args]
-    print("$", " ".join(cmd[1:]), flush=True)
-    t = time.time()
-    os.makedirs(os.path.dirname(log), exist_ok=True)
-    with open(log, "w") as f:
-        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
-    print(f"  done in {time.time() - t:.0f} s (log {log})", flush=True)
-    return time.time() - t
-
-
-def done(workdir: str) -> bool:
-    path = os.path.join(workdir, "metrics.json")
-    return os.path.exists(path) and json.load(open(path)).get("complete", False)
 
 
 def zeroshot(root: str, arm: str, retriever_dir: str | None, retriever: str) -> str:

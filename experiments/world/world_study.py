@@ -30,13 +30,13 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:  # run as a script: the repo root, so the sibling packages import
     sys.path.insert(0, REPO)
 
 from benchmarks._report import write_section  # noqa: E402
+from experiments.tools.cli_runs import done, run  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 PLOT = os.path.join(REPO, "docs", "tutorial_world.png")
@@ -71,22 +71,6 @@ KEYS = (
 
 
 QA_CONFIG = "configs/orqa.py:world"
-
-
-def run(args: list[str], log: str) -> None:
-    cmd = [sys.executable, "-m", "realm_jax", *args]
-    print("$", " ".join(cmd[1:]), flush=True)
-    t = time.time()
-    with open(log, "w") as f:
-        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
-    print(f"  done in {time.time() - t:.0f} s (log {log})", flush=True)
-
-
-def done(workdir: str) -> bool:
-    import json
-
-    path = os.path.join(workdir, "metrics.json")
-    return os.path.exists(path) and json.load(open(path)).get("complete", False)
 
 
 def history(workdir: str) -> dict[str, dict[int, float]]:

@@ -43,6 +43,19 @@ def _config(*extra):
     return load_config(os.path.join(REPO, "configs", "ict.py:smoke"), TINY + list(extra))
 
 
+def _sample_config(*extra):
+    """The bundled sample's passages, blocks of 64 and sentences of 32 wordpieces."""
+    sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
+    return _config(
+        f"data.corpus={sample}",
+        "data.block_len=64",
+        "data.query_len=32",
+        "data.masking=random",
+        "model.embedder.max_position_embeddings=64",
+        *extra,
+    )
+
+
 def _numpy_ict(q, b):
     """Softmax cross-entropy of q [B, D] against all blocks b [B, D], label = own index."""
     logits = q.astype(np.float64) @ b.astype(np.float64).T
@@ -128,18 +141,12 @@ def test_ict_run_evaluates_and_warm_starts_realm_embedders(tmp_path):
     from realm_jax.pretrain import step as pretrain_step
 
     work = str(tmp_path / "ict")
-    sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
-    config = _config(
-        f"data.corpus={sample}",
-        "data.block_len=64",
-        "data.query_len=32",
-        "data.masking=random",
+    config = _sample_config(
         "train.steps=4",
         "train.eval_every=4",
         "train.checkpoint_every=4",
         "train.log_every=2",
         "train.eval_examples=64",
-        "model.embedder.max_position_embeddings=64",
     )
     prepare.prepare(config, paths.data_dir(config, work))
     history = ict_commands.train(config, work)
@@ -211,14 +218,8 @@ def test_held_out_recall_matches_a_numpy_brute_force(tmp_path):
     from realm_jax.ict.evaluation import IctEvaluator
     from realm_jax.index.embedding import embed_block_tokens, embed_query_tokens
 
-    sample = os.path.join(REPO, "data", "sample", "corpus.jsonl")
-    config = _config(
-        f"data.corpus={sample}",
-        "data.block_len=64",
-        "data.query_len=32",
-        "data.masking=random",
+    config = _sample_config(
         "train.eval_examples=96",
-        "model.embedder.max_position_embeddings=64",
         "model.vocab_size=30522",  # the sample's wordpieces (TINY's 512 would embed NaNs)
         "ict.bm25_baseline=false",
         "ict.recall_ks=(1, 10, 300, 1000)",  # an untrained retriever's ranks, spread out

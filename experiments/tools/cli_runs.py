@@ -1,0 +1,31 @@
+"""The studies' way of running realm-jax as a user does: one `python -m realm_jax` process per
+stage from the repository root, its output in a log file, and whether a run finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(args: list[str], log: str) -> float:
+    """`python -m realm_jax ARGS` from the repository root, its output into `log`; raises on
+    a non-zero exit. Returns its wall time in seconds."""
+    cmd = [sys.executable, "-m", "realm_jax", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t = time.time()
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    with open(log, "w") as f:
+        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+    print(f"  done in {time.time() - t:.0f} s (log {log})", flush=True)
+    return time.time() - t
+
+
+def done(workdir: str) -> bool:
+    """Whether a training run in `workdir` finished (its metrics.json says complete)."""
+    path = os.path.join(workdir, "metrics.json")
+    return os.path.exists(path) and json.load(open(path)).get("complete", False)
