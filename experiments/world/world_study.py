@@ -54,6 +54,14 @@ ARMS = {
     # ... with the embedders at the reader's learning rate (the recipe's tenth was chosen
     # against a collapse with dense candidates only)
     "bm25_lr": [f"--config.train.bm25_candidates={BM25_M}", "--config.train.embedder_lr_scale=1"],
+    # ... with the copying curriculum twice as long and no reading phase after it (the reader
+    # unlearnt copying while reading chance-level candidates: REALM's signal on the own
+    # document then stays near 0)
+    "bm25_copy": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.own_block_steps=200",
+        "--config.train.embedders_frozen_steps=200",
+    ],
     # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
     # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many
     # steps as REALM trains them, then scored as every arm is (a REALM run of one step with
