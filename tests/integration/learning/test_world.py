@@ -38,7 +38,8 @@ EVAL = 64  # held-out sentences evaluated (of the split's 90: whole batches of 3
 # instead of 136 s, alone on this 2-core machine. Measured (2026-11-28, 64 held-out
 # sentences): recall@1 of the own document 0.453 at C -> 0.578 at E (recall@3 0.719 ->
 # 0.813), the stop_gradient control 0.453 -> 0.484 (its embedders still move: Adam's moments
-# hold the gradients of the shared steps before C, when the freeze zeroed only the updates); at E the posterior's mass on the own document 0.696 against the prior's 0.557.
+# hold the gradients of the shared steps before C, when the freeze zeroed only the updates);
+# at E the posterior's mass on the own document 0.696 against the prior's 0.557.
 RECALL_GAIN = 0.07  # the least rise of held-out recall@1 of the own document (E - C)
 SIGNAL = 0.07  # the least posterior - prior mass on the own document at E (measured 0.139)
 WORLD = ["--config.world.entities=150", "--config.world.distractors=150"]
