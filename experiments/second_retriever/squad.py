@@ -72,6 +72,7 @@ KS = (5, 20)
 
 
 def zeroshot(root: str, arm: str, retriever_dir: str | None, retriever: str) -> str:
+    data = os.path.join(root, "data")
     """`evaluate --retrieval_only` of one retriever on the held-out questions: the prefix of
     its predictions and metrics files (dense and hybrid: the warm start's embedders, before
     any fine-tuning; bm25: no model)."""
@@ -83,6 +84,7 @@ def zeroshot(root: str, arm: str, retriever_dir: str | None, retriever: str) -> 
         if retriever_dir is not None:
             args += ["--checkpoint", "initial"]
         args += [
+            f"--config.data.data_dir={data}",
             "--config.model.init_from_realm=",
             f"--config.model.init_reader_from={BERT}",
             f"--config.model.init_embedders_from_ict={retriever_dir or ''}",
