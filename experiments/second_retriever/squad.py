@@ -75,7 +75,7 @@ def zeroshot(root: str, arm: str, retriever_dir: str | None, retriever: str) -> 
     data = os.path.join(root, "data")
     """`evaluate --retrieval_only` of one retriever on the held-out questions: the prefix of
     its predictions and metrics files (dense and hybrid: the warm start's embedders, before
-    any fine-tuning; bm25: no model)."""
+    any fine-tuning; bm25: no model, in a workdir whose index a dense evaluation published)."""
     work = os.path.join(root, "zeroshot", arm)
     out = os.path.join(work, "eval", retriever)
     if not os.path.exists(out + ".metrics.json"):
@@ -121,11 +121,12 @@ def main(argv=None) -> int:
             start = [f"--config.model.init_embedders_from_ict={ict}"]
             task = ["ict", "--config", ICT] if arm == "imitation" else ["train", "--config", REALM]
             times[arm] = run([*task, "--workdir", wd, *paths, *start, *ARMS[arm]], f"{wd}.log")
-    files = {"BM25": zeroshot(root, "bm25-alone", None, "bm25")}
+    files = {}
     for arm in ["ict", *arms]:
         wd = os.path.join(root, arm)
-        files[arm] = zeroshot(root, arm, wd, "dense")
+        files[arm] = zeroshot(root, arm, wd, "dense")  # (publishes the arm's index first)
         files[f"{arm} hybrid"] = zeroshot(root, arm, wd, "hybrid")
+    files["BM25"] = zeroshot(root, "ict", None, "bm25")  # over ICT's published index's blocks
     records = {name: paired.load(f + ".predictions.jsonl") for name, f in files.items()}
     metrics = {name: json.load(open(f + ".metrics.json")) for name, f in files.items()}
     rows = []
