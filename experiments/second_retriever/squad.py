@@ -25,7 +25,8 @@ of answer-holding blocks over the whole corpus), densely and as the hybrid (DPR'
 qa.hybrid_bm25_weight x BM25 over the union of both top lists), beside BM25 alone; and each
 arm is compared with ICT's start and with the imitation control on the same questions (the
 exact sign test on the questions one gains and the other loses: experiments/tools/
-paired_retrieval.py). A finished stage is read, not rerun (--rerun ARM to redo one).
+paired_retrieval.py); each hybrid is compared with BM25 alone. A finished stage is read, not
+rerun (--rerun ARM to redo one).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
     pairs = [(arm, "ict") for arm in arms] + [
         (arm, "imitation") for arm in arms if arm != "imitation" and "imitation" in arms
     ]
+    pairs += [(f"{arm} hybrid", "BM25") for arm in ["ict", *arms]]
     lines = ["| retriever | against | k | gained | lost | difference | p (sign test) |"]
     lines.append("|---|---|---|---|---|---|---|")
     for arm, base in pairs:
