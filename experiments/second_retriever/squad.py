@@ -43,7 +43,7 @@ if REPO not in sys.path:  # run as a script: the repo root, so the sibling packa
 
 from benchmarks._report import write_section  # noqa: E402
 from experiments.tools import paired_retrieval as paired  # noqa: E402
-from experiments.tools.cli_runs import done, run  # noqa: E402
+from experiments.tools.cli_runs import chosen_arms, done, run  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 REALM, ICT, ORQA = "configs/realm.py:squad", "configs/ict.py:squad", "configs/orqa.py:squad"
@@ -100,10 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default="bm25,imitation", help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--rerun", default="", help="comma list of arms to run again")
     a = p.parse_args(argv)
-    arms = [x for x in a.arms.split(",") if x]
-    unknown = [x for x in arms if x not in ARMS]
-    if unknown:
-        p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
+    arms = chosen_arms(p, a.arms, ARMS)
     root = os.path.join(REPO, a.root) if not os.path.isabs(a.root) else a.root
     data = os.path.join(root, "data")
     paths = [f"--config.data.data_dir={data}"]

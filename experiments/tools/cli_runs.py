@@ -29,3 +29,13 @@ def done(workdir: str) -> bool:
     """Whether a training run in `workdir` finished (its metrics.json says complete)."""
     path = os.path.join(workdir, "metrics.json")
     return os.path.exists(path) and json.load(open(path)).get("complete", False)
+
+
+def chosen_arms(parser, text: str, known) -> list[str]:
+    """The comma list of a study's --arms, each one of `known`; an unknown one is the
+    parser's usage error (exit 2) naming the choices."""
+    arms = [x for x in text.split(",") if x]
+    unknown = [x for x in arms if x not in known]
+    if unknown:
+        parser.error(f"unknown arms {unknown}: choose from {', '.join(known)}")
+    return arms

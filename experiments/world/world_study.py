@@ -36,7 +36,7 @@ if REPO not in sys.path:  # run as a script: the repo root, so the sibling packa
     sys.path.insert(0, REPO)
 
 from benchmarks._report import write_section  # noqa: E402
-from experiments.tools.cli_runs import done, run  # noqa: E402
+from experiments.tools.cli_runs import chosen_arms, done, run  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 PLOT = os.path.join(REPO, "docs", "tutorial_world.png")
@@ -240,10 +240,7 @@ def main(argv=None) -> int:
         help=f"then fine-tune ({QA_CONFIG}) from ICT alone and from each arm; score QA",
     )
     a = p.parse_args(argv)
-    arms = [x for x in a.arms.split(",") if x]
-    unknown = [x for x in arms if x not in ARMS]
-    if unknown:
-        p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
+    arms = chosen_arms(p, a.arms, ARMS)
     root = os.path.join(REPO, a.root) if not os.path.isabs(a.root) else a.root
     os.makedirs(root, exist_ok=True)
     world, data, ict = (os.path.join(root, n) for n in ("world", "data", "ict"))
