@@ -19,7 +19,6 @@ import ml_collections
 
 from realm_jax import config as config_lib
 
-SHARED = "../shared"  # the team's shared folder (the squad recipe's data and weights)
 
 # train.* fields taken from configs/realm.py's variant on purpose (tests/test_configs.py fails
 # on any other inherited train field): the same AdamW and loop settings as pre-training.
@@ -40,12 +39,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = "squad" if read else variant
     qa_file = {
         "smoke": "data/sample/qa.jsonl",
-        "squad": "../shared/data/squad/qa_train.jsonl",
+        "squad": config_lib.squad_files()[1],  # the corpus's own questions (configs/realm.py)
         "world": "runs/world/qa.jsonl",  # `realm-jax world --workdir runs/world`
     }.get(variant, "")
     q.train_file = qa_file  # questions to fine-tune on (see `evaluate --help` for formats)
     q.dev_file = qa_file  # questions of the periodic evaluation and `evaluate`'s default
-    q.format = "auto"  # auto, nq, squad, webquestions, curatedtrec
+    q.format = "auto"  # auto, nq, squad, squad_json, webquestions, curatedtrec
     # SQuAD-style files with titles split by the prepared data's held-out articles: fine-tune
     # on the others, evaluate on the held-out ones ("none": use every question of the file).
     q.train_holdout = "train" if (sample or squad or world) else "none"
@@ -93,7 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         m.init_from_realm = "runs/world-realm" if world else "runs/squad"
     # (the world's ICT-only baseline, ORQA's start: --config.model.init_from_realm=
     # --config.model.init_embedders_from_ict=runs/world-ict
-    # --config.model.init_reader_from=../shared/models/bert-tiny-mlm)
+    # --config.model.init_reader_from=google/bert_uncased_L-2_H-128_A-2)
     t = c.train
     t.batch_size = {"smoke": 8, "squad": 16, "world": 16, "base": 64}.get(variant, 32)  # questions
     # per step; the world: 1,200 training questions (400 people x 3), 4 epochs
@@ -130,7 +129,7 @@ def _reading_phase(c: ml_collections.ConfigDict) -> None:
     their gold passage (experiments/ablations), too weak a reader to tell the arms apart."""
     m, q, t = c.model, c.qa, c.train
     m.init_from_realm = ""
-    m.init_reader_from = SHARED + "/models/bert-tiny-mlm"  # the reader REALM starts from
+    m.init_reader_from = config_lib.BERT_TINY  # the reader REALM starts from
     # the embedders (bert-tiny's, frozen) only pick the read block when it is the gold one: this
     # phase needs no ICT run before it
     m.init_embedders_from_ict = ""

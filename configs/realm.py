@@ -4,8 +4,9 @@ Variants (pass as `configs/realm.py:<variant>`):
   smoke  tiny model, bundled sample corpus, CPU, a few minutes end to end.
   small  4 layers x 256 wide: a CPU/GPU development size (also used by benchmarks/).
   base   BERT-base and the paper's hyperparameters (Guu et al. 2020), for a TPU pod.
-  squad  the learning recipe (experiments/squad_qa): SQuAD's 18,896 Wikipedia paragraphs from
-         ../shared, held-out articles, real bert-tiny weights in all three networks and the
+  squad  the learning recipe (experiments/squad_qa): SQuAD's 18,896 Wikipedia paragraphs (the
+         team's ../shared copy, else SQuAD's own train-v1.1.json by URL, downloaded once),
+         held-out articles, real bert-tiny weights (by hub id) in all three networks and the
          embedders warm-started by ICT (`configs/ict.py:squad` first); under an hour on 2 CPUs.
   world  a generated knowledge world (`realm-jax world`, docs/tutorial.md): fictional people,
          one knowledge document each, and a separate pre-training text whose masked facts
@@ -16,6 +17,8 @@ locked, so a misspelt key is an error.
 """
 
 import ml_collections
+
+from realm_jax import config as config_lib
 
 
 def _bert(**kw) -> ml_collections.ConfigDict:
@@ -66,7 +69,6 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
 
 
 VARIANTS = ("smoke", "small", "base", "squad", "world")
-SHARED = "../shared"  # the team's shared folder (the squad recipe's data and weights)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -98,15 +100,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         tiny = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
         c.model = _model(
             dict(tiny, hidden_act="gelu", max_position_embeddings=512),
-            init_embedder_from=SHARED + "/models/bert-tiny-mlm",
-            init_reader_from=SHARED + "/models/bert-tiny-mlm",
+            init_embedder_from=config_lib.BERT_TINY,  # a hub id (or a folder): fetched once
+            init_reader_from=config_lib.BERT_TINY,
         )
-    elif variant == "squad":  # bert-tiny (../shared/models/bert-tiny-mlm) in all three
+    elif variant == "squad":  # bert-tiny (config_lib.BERT_TINY, by hub id) in all three
         tiny = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
         c.model = _model(
             dict(tiny, hidden_act="gelu"),
-            init_embedder_from=SHARED + "/models/bert-tiny-mlm",
-            init_reader_from=SHARED + "/models/bert-tiny-mlm",
+            init_embedder_from=config_lib.BERT_TINY,
+            init_reader_from=config_lib.BERT_TINY,
             init_embedders_from_ict="runs/squad-ict",
         )
     else:  # base: BERT-base x 3 at batch 512 fits a v3-64 slice only with remat and bf16
@@ -266,7 +268,7 @@ def sweep():
 
 def _squad(c: ml_collections.ConfigDict) -> None:
     """The squad recipe's sizes: 2-CPU friendly, every number chosen for an hour's budget."""
-    c.data.corpus = SHARED + "/data/squad/corpus_train.jsonl"  # 18,896 titled paragraphs
+    c.data.corpus = config_lib.squad_files()[0]  # 18,896 paragraphs: ../shared's, else by URL
     c.data.data_dir = "runs/squad-data"  # shared by the ICT and REALM runs
     c.data.block_len = 192  # most paragraphs fit one block
     # The span head (fine-tuning only) is sized here so that a reading phase's trained head

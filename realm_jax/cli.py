@@ -209,12 +209,13 @@ def _parser() -> argparse.ArgumentParser:
                 default="",
                 help="question file (default: the config's qa.dev_file split): NQ-open "
                 "JSONL {question, answer}, SQuAD-style JSONL {question, answers[, title]}, "
-                "WebQuestions JSON, CuratedTREC TSV (regex answers)",
+                "SQuAD JSON (train-v1.1.json), WebQuestions JSON, CuratedTREC TSV (regex "
+                "answers); an https:// URL is downloaded once",
             )
             s.add_argument(
                 "--format",
                 default="auto",
-                choices=("auto", "nq", "squad", "webquestions", "curatedtrec"),
+                choices=("auto", "nq", "squad", "squad_json", "webquestions", "curatedtrec"),
                 help="question file format (auto: by extension and fields)",
             )
             s.add_argument("--limit", type=int, default=0, help="score the first N (0 = all)")

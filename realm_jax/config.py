@@ -53,6 +53,27 @@ def _load_module(path: str):
 # variant on purpose: the same AdamW and loop settings, and two REALM-only fields the task does
 # not read. Each task config lists these and any others in its INHERITED tuple;
 # tests/test_configs.py fails on a train field inherited without being listed.
+# Models and data the recipes name (docs/reference.md "Models and data by name"):
+# bert-tiny (Turc et al. 2019, 2 layers, 128 wide) by its HuggingFace hub id, fetched once into
+# the HuggingFace cache (interop/hub.py); every model option takes a folder or an id.
+BERT_TINY = "google/bert_uncased_L-2_H-128_A-2"
+# SQuAD v1.1's training set (CC BY-SA 4.0), SQuAD's own JSON: the corpus (its paragraphs) and
+# the questions of the squad chain, downloaded once (data/download.py, data/squad_json.py)
+SQUAD_TRAIN_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset/train-v1.1.json"
+TEAM_SQUAD = "../shared/data/squad"  # the team's JSONL copy (the results' runs read it)
+
+
+def squad_files() -> tuple[str, str]:
+    """(corpus, questions) of the squad chain: the team's JSONL copy where it is there (every
+    figure in docs/results.md was measured on it: the same paragraphs, ids "train/<title>/<k>"),
+    else SQuAD's official file by URL (ids "<title>/<k>"); both from one place, so the
+    questions' gold passages are always the corpus's ids."""
+    corpus, qa = f"{TEAM_SQUAD}/corpus_train.jsonl", f"{TEAM_SQUAD}/qa_train.jsonl"
+    if os.path.isfile(corpus) and os.path.isfile(qa):
+        return corpus, qa
+    return SQUAD_TRAIN_URL, SQUAD_TRAIN_URL
+
+
 SHARED_TRAIN_FIELDS = (
     "train.weight_decay",
     "train.grad_clip",

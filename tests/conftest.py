@@ -52,6 +52,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHARED = os.environ.get("REALM_JAX_SHARED", os.path.join(os.path.dirname(REPO), "shared"))
 
+# Models by name, offline: the configs name bert-tiny by its hub id (config.BERT_TINY). The tests
+# read it through huggingface_hub's own code with the hub offline, from a hub-layout cache made
+# here from ../shared's copy of the same model (interop/hub.py seed), inherited by every CLI and
+# worker process the tests start. Without ../shared the id cannot be resolved offline and the
+# tests that need it skip (or fail under CI=true) through shared_path.
+BERT_TINY_DIR = os.path.join(SHARED, "models", "bert-tiny-mlm")
+if os.path.isdir(BERT_TINY_DIR) and os.environ.get("REALM_JAX_TEST_HUB", "offline") == "offline":
+    import atexit as _atexit
+    import shutil as _shutil
+    import tempfile as _tempfile
+
+    from realm_jax.config import BERT_TINY
+    from realm_jax.interop import hub as _hub
+
+    _hub_cache = _tempfile.mkdtemp(prefix="realm-jax-tests-hf-cache-")
+    _atexit.register(_shutil.rmtree, _hub_cache, ignore_errors=True)
+    _hub.seed(BERT_TINY_DIR, BERT_TINY, _hub_cache)
+    os.environ["HF_HUB_CACHE"] = _hub_cache
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import huggingface_hub.constants as _hf_constants  # read at import: set them here too
+
+    _hf_constants.HF_HUB_CACHE, _hf_constants.HF_HUB_OFFLINE = _hub_cache, True
+
 
 def shared_path(*parts: str) -> str:
     """A path under ../shared, or skip the test with a clear reason when it is absent (a

@@ -3,6 +3,8 @@
 Accepted inputs (`read_documents(path)`):
   *.jsonl / *.json   one JSON object per line: {"title": str, "text": str, "id": str (optional)}
                      (a missing id becomes "<file stem>:<line>").
+  SQuAD's *.json     train-v1.1.json and its kin (an object with "data"): one passage per
+                     paragraph, titled by its article (data/squad_json.py).
   *.tsv              id<TAB>title<TAB>text, or title<TAB>text (two columns: id = "<stem>:<line>").
                      A first line "id<TAB>title<TAB>text" (or "title<TAB>text") is a header.
   *.txt              a .txt file whose first non-blank line holds a tab is read as .tsv lines;
@@ -18,7 +20,8 @@ Accepted inputs (`read_documents(path)`):
                      to disk; concatenated gzip members too). Their default ids use the stem
                      without ".gz" ("corpus.jsonl.gz" line 3: "corpus:3"), so a .gz file gives
                      the records of its uncompressed twin.
-Every input may be a gs:// path (read through realm_jax.fs).
+Every input may be a gs:// path (read through realm_jax.fs); `prepare` downloads an https://
+input first (data/download.py).
 
 Bad input (invalid UTF-8, malformed JSON, empty/missing fields, no usable text, duplicate ids,
 unreadable files, a truncated or corrupt .gz: at the line where its data stops) raises
@@ -226,6 +229,18 @@ def _read_tsv(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
             yield doc
 
 
+def _read_squad(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
+    from realm_jax.data import squad_json
+
+    try:
+        for doc_id, title, text, where in squad_json.passages(path):
+            doc = r.check(where, doc_id, title, text)
+            if doc:
+                yield doc
+    except squad_json.SquadFormatError as e:
+        raise CorpusError(str(e)) from None
+
+
 def _read_folder(path: str, r: DocumentChecker) -> Iterator[tuple[str, str, str]]:
     for rel in _txt_files(path):
         file = fs.join(path, *rel.split("/"))
@@ -257,6 +272,8 @@ def read_documents(
         yield from _read_folder(path, r)
     elif not fs.exists(path):
         raise CorpusError(f"{path}: no such file or folder")
+    elif is_squad(path):
+        yield from _read_squad(path, r)
     elif format_name(path).endswith((".jsonl", ".json")):
         yield from _read_jsonl(path, r)
     elif is_plain_text(path):
@@ -266,6 +283,13 @@ def read_documents(
     else:
         # (acceptance/bad_input.py checks this wording; .jsonl.gz/.tsv.gz are read too)
         raise CorpusError(f"{path}: unknown corpus format (use .jsonl, .tsv or a folder of .txt)")
+
+
+def is_squad(path: str) -> bool:
+    """SQuAD's own JSON (data/squad_json.py), not a JSON-lines corpus."""
+    from realm_jax.data import squad_json
+
+    return squad_json.looks_like(path)
 
 
 def input_files(path: str) -> list[str]:

@@ -48,7 +48,9 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
         return release_blocks.release_blocks(data, stats)
     docs = corpus_lib.read_documents(data.corpus, skip_bad_input=data.skip_bad_input, stats=stats)
     by_line = corpus_lib.is_plain_text(data.corpus)  # one sentence a line
-    total = None if by_line else corpus_lib.count_lines(data.corpus)  # lines are not documents
+    # lines are not documents (SQuAD's JSON is one line)
+    lines = not (by_line or corpus_lib.is_squad(data.corpus))
+    total = corpus_lib.count_lines(data.corpus) if lines else None
     blocks: list[corpus_lib.Block] = []
     with _progress(total=total, desc="blocks: tokenise", unit="doc") as bar:
         for chunk in chunks(docs, CHUNK):

@@ -35,6 +35,7 @@ none imports this module.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import hashlib
 import json
@@ -46,7 +47,7 @@ import time
 from realm_jax import fs, workdir
 from realm_jax import tokenization as tk
 from realm_jax.data import corpus as corpus_lib
-from realm_jax.data import local_prepare, records
+from realm_jax.data import download, local_prepare, records, squad_json
 from realm_jax.data.datasets import (
     DATASETS,
     FORMAT_VERSION,
@@ -264,7 +265,10 @@ def choose_engine(data, beam_runner: str = "") -> str:
         return "beam"
     inputs = [p for p in (data.corpus, data.sentences) if p]
     if any(
-        os.path.isdir(p) or (not fs.is_remote(p) and corpus_lib.is_plain_text(p)) for p in inputs
+        os.path.isdir(p)
+        or (not fs.is_remote(p) and corpus_lib.is_plain_text(p))
+        or squad_json.looks_like(p)  # one JSON object: no lines to share out
+        for p in inputs
     ):
         return "local"  # the Beam path reads line files (beam_prepare.supported)
     if any(fs.is_remote(p) for p in inputs):
@@ -272,6 +276,19 @@ def choose_engine(data, beam_runner: str = "") -> str:
     want = data.get("beam_min_passages", BEAM_MIN_PASSAGES)
     lines = sum(corpus_lib.count_lines(p, want) or 0 for p in inputs)
     return "beam" if lines >= want else "local"
+
+
+def downloaded(data):
+    """`data` with its https:// inputs (corpus, sentences) replaced by their local copies,
+    downloaded once into the cache (data/download.py); `data` itself when there are none."""
+    urls = [f for f in ("corpus", "sentences") if download.is_url(data.get(f, ""))]
+    if not urls:
+        return data
+    data = copy.deepcopy(data)
+    with data.unlocked():
+        for f in urls:
+            data[f] = download.local(data[f])
+    return data
 
 
 def prepare(
@@ -285,7 +302,8 @@ def prepare(
     """Build (or reuse) the blocks and examples datasets under data_dir; returns the summary.
     data.engine picks the in-process path or Apache Beam (beam_runner, beam_options: the
     runner's name and its flags; defaults: DirectRunner, one worker per core)."""
-    data, fp = config.data, fingerprint(config.data)
+    data = downloaded(config.data)
+    fp = fingerprint(data)
     old = read_summary(data_dir)
     if old is not None and not overwrite:
         if old.get("fingerprint") == fp:
@@ -309,8 +327,8 @@ def prepare(
         "fingerprint": fp,
         "format_version": FORMAT_VERSION,
         "data_dir": data_dir,
-        "corpus": data.corpus,
-        "sentences_source": data.sentences,
+        "corpus": config.data.corpus,  # as given (a URL, not its cached copy)
+        "sentences_source": config.data.sentences,
         "masking": mode,
         "engine": engine,
         "block_len": data.block_len,
@@ -342,7 +360,7 @@ def command(config, args) -> int:
     data_dir = workdir.data_dir(config, args.workdir)
     old = read_summary(data_dir)
     stale = stale_outputs(args.workdir) if args.overwrite and old is not None else []
-    if stale and old.get("fingerprint") != fingerprint(config.data):
+    if stale and old.get("fingerprint") != fingerprint(downloaded(config.data)):
         print(
             f"realm-jax prepare: warning: {' and '.join(stale)} were built from the old data in "
             f"{data_dir} and no longer match the new data (block ids and examples change); "

@@ -42,7 +42,7 @@ from flax import linen as nn
 
 from realm_jax import checkpoint, fs, sharding
 from realm_jax import workdir as paths
-from realm_jax.interop import hf_export, hf_import, release_checkpoint, tf_checkpoint
+from realm_jax.interop import hf_export, hf_import, hub, release_checkpoint, tf_checkpoint
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.inputs import init_inputs
 from realm_jax.model.realm import realm_model
@@ -98,6 +98,8 @@ def read_source(path: str, config) -> Source:
     from realm_jax import tokenization
 
     fs.check_buckets([path])
+    if hub.looks_like_id(path):  # a HuggingFace hub id: its snapshot folder
+        path = hf_import.resolve(path)
     if _is_hf_folder(path):
         hf_import.check_folder(path)
         got = hf_import.import_folder(path)

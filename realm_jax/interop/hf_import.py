@@ -22,7 +22,7 @@ import numpy as np
 from flax import linen as nn
 
 from realm_jax import fs
-from realm_jax.interop import safe_pickle
+from realm_jax.interop import hub, safe_pickle
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,19 @@ def _weights(path: str) -> tuple[str, list[str]]:
     )
 
 
+def resolve(path: str) -> str:
+    """The folder `path` names: itself, or a HuggingFace hub id's downloaded snapshot."""
+    try:
+        return hub.resolve(path)
+    except hub.HubError as e:
+        raise WeightImportError(str(e)) from None
+
+
 def check_folder(path: str) -> None:
     """A WeightImportError unless `path` is a folder with config.json of a supported class and
     a readable weights file (cheap: run before any model is built, so a wrong path fails at
-    once). `path` may be a gs:// URL."""
+    once). `path` may be a gs:// URL or a HuggingFace hub id (fetched once, see hub.py)."""
+    path = resolve(path)
     try:
         fs.check_buckets([path])
     except fs.StorageError as e:
@@ -131,7 +140,9 @@ CACHED_FILES = ("config.json", "vocab.txt")
 def local_folder(path: str) -> str:
     """A local folder with `path`'s weights: `path` itself when local; for a gs:// folder a
     verified copy under fs.cache_root()/hf/, downloaded once per host (keyed by the URL and
-    each file's size and modification time, so a rewritten folder is copied afresh)."""
+    each file's size and modification time, so a rewritten folder is copied afresh); for a hub
+    id, its snapshot in the HuggingFace cache."""
+    path = resolve(path)
     check_folder(path)
     if not fs.is_remote(path):
         return path
@@ -183,6 +194,7 @@ def read_hf_folder(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 def check_vocab(path: str, vocab_path: str) -> None:
     """A WeightImportError when the folder has a vocab.txt that differs from `vocab_path` (the
     WordPiece vocabulary realm-jax tokenises with): its ids would mean other words."""
+    path = resolve(path)
     theirs = fs.join(path, "vocab.txt")
     if not fs.isfile(theirs):
         return

@@ -22,8 +22,13 @@ Question files (`read_questions(path, fmt)`; local or gs://), all UTF-8; blank l
   curatedtrec   TSV lines: id <TAB> type <TAB> question <TAB> answer regex; the line is cut
                 at its first three tabs, so a tab inside the regex stays in it (one line of
                 large2180-train.tsv has one); scored with regex_match
-  auto          by extension: .tsv curatedtrec, .json webquestions, .jsonl nq if the first
-                non-blank line has "answer", squad if it has "answers"
+  squad_json    SQuAD's own JSON (train-v1.1.json, dev-v1.1.json, v2.0): every answerable
+                question with its answer texts, article title and gold passage
+                (data/squad_json.py; the corpus read from the same file has those ids)
+  auto          by extension: .tsv curatedtrec, .json squad_json when the object starts with
+                "data" or "version", else webquestions, .jsonl nq if the first non-blank line
+                has "answer", squad if it has "answers"
+An https:// file is downloaded once into the cache (data/download.py).
 """
 
 from __future__ import annotations
@@ -43,14 +48,14 @@ from realm_jax import fs
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("nq", "squad", "webquestions", "curatedtrec")
+FORMATS = ("nq", "squad", "squad_json", "webquestions", "curatedtrec")
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _REGEX_FLAGS = re.IGNORECASE | re.UNICODE | re.MULTILINE
 _ACCEPTED = (
     "accepted formats: nq (NQ-open .jsonl with 'question' and 'answer'), squad (.jsonl with "
     "'question' and 'answers'), webquestions (.json list of qId/qText/answers), curatedtrec "
-    "(.tsv: id, type, question, regex)"
+    "(.tsv: id, type, question, regex), squad_json (SQuAD's own train-v1.1.json)"
 )
 
 
@@ -217,6 +222,26 @@ def _read_jsonl(path: str, data: bytes, fmt: str) -> list[QAExample]:
     return examples
 
 
+def _read_squad_json(path: str, data: bytes) -> list[QAExample]:
+    from realm_jax.data import squad_json
+
+    try:
+        rows = squad_json.questions(path, data)
+    except squad_json.SquadFormatError as e:
+        raise QAFormatError(str(e)) from None
+    return [
+        QAExample(
+            question=r["question"],
+            answers=tuple(r["answers"]),
+            title=r["title"],
+            qid=r["id"] or r["where"],
+            source=r["where"],
+            gold_passage=r["gold_passage"],
+        )
+        for r in rows
+    ]
+
+
 def _read_webquestions(path: str, data: bytes) -> list[QAExample]:
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")
@@ -291,7 +316,9 @@ def _detect(path: str, data: bytes) -> str:
     if ext == ".tsv":
         return "curatedtrec"
     if ext == ".json":
-        return "webquestions"
+        from realm_jax.data import squad_json
+
+        return "squad_json" if squad_json.looks_like(path) else "webquestions"
     if ext != ".jsonl":
         raise QAFormatError(
             f"{path}: cannot tell the question format from the extension {ext or '(none)'!r}; "
@@ -313,6 +340,7 @@ def _detect(path: str, data: bytes) -> str:
 _READERS = {
     "nq": lambda path, data: _read_jsonl(path, data, "nq"),
     "squad": lambda path, data: _read_jsonl(path, data, "squad"),
+    "squad_json": _read_squad_json,
     "webquestions": _read_webquestions,
     "curatedtrec": _read_curatedtrec,
 }
@@ -322,7 +350,9 @@ def read_questions(path: str, fmt: str = "auto") -> list[QAExample]:
     """Every question of the file, in file order (formats: the module docstring)."""
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"unknown question format {fmt!r}; expected auto or one of {FORMATS}")
-    path = os.fspath(path)
+    from realm_jax.data import download
+
+    path = download.local(os.fspath(path))  # an https:// file: its cached copy
     try:
         data = fs.read_bytes(path)  # a local path or a gs:// URL
     except FileNotFoundError:
