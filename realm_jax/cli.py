@@ -41,6 +41,8 @@ ENTRY = {
     "export": "realm_jax.interop.commands:export_command",
     "world": "realm_jax.data.world:command",
 }
+# commands that write a workdir's networks: its config is recorded there (api.RUN_CONFIG)
+RECORDS_CONFIG = ("train", "local", "ict", "finetune", "import")
 TASK_COMMANDS = {
     "realm": {
         "train": "realm_jax.pretrain.commands:train_command",
@@ -397,6 +399,13 @@ def _run(args, overrides: list[str]) -> int:
     from realm_jax import runtime
 
     runtime.setup(args)
+    if args.command in RECORDS_CONFIG:  # what realm_jax.load(workdir) reads back
+        import jax
+
+        from realm_jax import api
+
+        if jax.process_index() == 0:
+            api.record_run_config(args.workdir, args.config, overrides)
     from realm_jax.train.loop import TrainingStopped
 
     try:

@@ -212,6 +212,7 @@ def _more_evaluations(root, ddir, work, metrics, tmp_path):
     assert r.stdout.startswith("answer: ") and "(block " in r.stdout
     r = _cli(root, ddir, work, "ask", stdin="What is materialism?\nWho was Plato?\n\n")
     assert r.returncode == 0 and r.stdout.count("answer: ") == 2, r.stdout + r.stderr[-2000:]
+    _python_api(root, ddir, work)
 
 
 def test_bad_beams_are_refused_before_any_work(qa_files, tmp_path):
@@ -221,3 +222,51 @@ def test_bad_beams_are_refused_before_any_work(qa_files, tmp_path):
     with pytest.raises(ValueError, match="retriever_beam_size = 500 exceeds the corpus"):
         qa_commands.train(config(root, ddir, "qa.retriever_beam_size=500"), str(tmp_path / "b"))
     assert not os.path.exists(paths.checkpoint_dir(str(tmp_path / "a")))
+
+
+def _python_api(root, ddir, work):
+    """realm_jax.load on the fine-tuned workdir: answer() gives the predictions `evaluate`
+    wrote for each retriever (the CLI's own files), retrieve() the blocks evaluate read, in
+    order; dense scores are a numpy inner product of embed_queries with the index; the
+    document embedder (frozen in fine-tuning) re-embeds blocks from their text to the index."""
+    import realm_jax
+    from realm_jax.data import datasets as ds
+    from realm_jax.index import store
+    from realm_jax.tokenization import encode_block
+
+    over = [*OVERRIDES, f"data.corpus={root / 'corpus.jsonl'}", f"data.data_dir={ddir}"]
+    over += ["qa.bm25_weight=0.5", "qa.hybrid_bm25_weight=0.25", "qa.hybrid_pool=6"]
+    model = realm_jax.load(work, config="configs/orqa.py:smoke", overrides=over)
+    for retriever in ("dense", "bm25", "hybrid"):
+        out = os.path.join(paths.eval_dir(work), f"qa.{retriever}.predictions.jsonl")
+        preds = [json.loads(line) for line in open(out)][:5]
+        answers = model.answer([p["question"] for p in preds], retriever=retriever)
+        for p, a in zip(preds, answers, strict=True):
+            assert a.text == p["prediction"] and a.block.block_id == p["block"]["id"], (p, a)
+            assert [h.block_id for h in a.evidence] == [b["id"] for b in p["top_blocks"]]
+            hits = model.retrieve(p["question"], k=3, retriever=retriever)
+            assert [h.block_id for h in hits] == [b["id"] for b in p["top_blocks"]], retriever
+    q = ["What is materialism?", "Who was Plato?"]
+    _, emb_path = store.latest_valid(paths.index_dir(work))
+    emb = np.asarray(store.load_embeddings(emb_path))
+    brute = model.embed_queries(q) @ emb.T
+    hits = model.retrieve(q, k=4)
+    for row, got in zip(brute, hits, strict=True):
+        np.testing.assert_allclose([h.score for h in got], np.sort(row)[::-1][:4], rtol=1e-5)
+    tokens, _, _ = ds.load_blocks(ddir)
+    src = ds.blocks_source(ddir)
+    same = [  # blocks whose text re-tokenises to the prepared tokens (whole passages)
+        i
+        for i in range(len(src))
+        if np.array_equal(
+            encode_block(src[i]["title"].decode(), src[i]["text"].decode(), tokens.shape[1])[0],
+            tokens[i],
+        )
+    ][:6]
+    assert len(same) >= 3
+    again = model.embed_blocks(
+        [src[i]["text"].decode() for i in same], titles=[src[i]["title"].decode() for i in same]
+    )
+    np.testing.assert_allclose(again, emb[same], rtol=2e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="retriever must be one of"):
+        model.retrieve("x", retriever="nope")

@@ -1,0 +1,328 @@
+"""The Python API (docs/python.md): a trained workdir, loaded once, answering from Python.
+
+    import realm_jax
+    model = realm_jax.load("runs/squad-qa")            # a workdir, local or gs://
+    model.retrieve("who founded the university?", k=5)  # [Hit(block_id, title, text, score)]
+    model.answer("who founded the university?")         # Answer(text, score, block, evidence)
+    model.embed_queries(["..."]), model.embed_blocks(["..."], titles=["..."])  # numpy arrays
+
+A workdir is one that `ict`, `train`, `local`, `finetune` or `import` wrote: its config is read
+back from <workdir>/run_config.json (what the CLI records there), or given as `config=`. The
+retrievers are the CLI's: dense (the workdir's query embedder against its published index, an
+exact inner-product search), bm25 (bm25s over the same blocks) and hybrid (the union of both
+top lists, rescored dense + qa.hybrid_bm25_weight x BM25, as `evaluate --retriever hybrid`).
+`answer` needs a fine-tuned (QA) workdir: it runs the same Predictor as `ask`. Computation runs
+on JAX's default backend (an accelerator when one is installed and visible, else the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+
+import numpy as np
+
+from realm_jax import fs
+from realm_jax import workdir as paths
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.json"  # {"config": "configs/x.py:variant", "overrides": [...]}
+RETRIEVERS = ("dense", "bm25", "hybrid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """One retrieved block: its id in the prepared data, title, text and retrieval score."""
+
+    block_id: int
+    title: str
+    text: str
+    score: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A predicted answer span, the block it was read from, and the blocks the reader read."""
+
+    question: str
+    text: str
+    score: float
+    block: Hit
+    evidence: list[Hit]
+
+
+def record_run_config(workdir: str, spec: str, overrides: list[str]) -> None:
+    """Write the config a command ran with into the workdir (the CLI does, for `load`)."""
+    from realm_jax.config import split_spec
+
+    path, variant = split_spec(spec)
+    spec = os.path.abspath(path) + (f":{variant}" if variant else "")
+    fs.makedirs(paths.root(workdir))
+    got = {"config": spec, "overrides": list(overrides), "cwd": os.getcwd()}
+    text = json.dumps(got, indent=1)
+    fs.write_text(fs.join(paths.root(workdir), RUN_CONFIG), text + "\n")
+
+
+def _run_config(workdir: str):
+    path = fs.join(paths.root(workdir), RUN_CONFIG)
+    if not fs.isfile(path):
+        raise FileNotFoundError(
+            f"{path}: no such file: the workdir records no config (written by the CLI's ict, "
+            "train, local, finetune and import); pass config='configs/<file>.py:<variant>'"
+        )
+    got = json.loads(fs.read_text(path))
+    return got["config"], list(got.get("overrides", [])), got.get("cwd", "")
+
+
+def load(
+    workdir: str,
+    config: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    checkpoint: str = "best",
+) -> Model:
+    """A trained workdir (local or gs://) ready to retrieve, answer and embed. config: a config
+    spec ('configs/orqa.py:squad'), else the one the workdir recorded (with its overrides, then
+    `overrides`). checkpoint (fine-tuned workdirs): best (the kept best dev checkpoint, else
+    the newest) or latest."""
+    from realm_jax.config import load_config, validate
+
+    if not fs.isdir(workdir):
+        raise FileNotFoundError(f"{workdir}: no such workdir")
+    ran_in = ""
+    if config is None:
+        config, recorded, ran_in = _run_config(workdir)
+        overrides = [*recorded, *overrides]
+    cfg = load_config(config, list(overrides))
+    d = cfg.data.data_dir
+    if d and ran_in and not fs.is_remote(d) and not os.path.isabs(d) and not os.path.isdir(d):
+        with cfg.unlocked():  # a relative data_dir of a run started elsewhere: from there
+            cfg.data.data_dir = os.path.join(ran_in, d)
+    validate(cfg)
+    return Model(cfg, workdir, checkpoint)
+
+
+class Model:
+    """A loaded workdir (realm_jax.load). Lists in, lists (or arrays) out; a single string in
+    gives a single result."""
+
+    def __init__(self, config, workdir: str, which: str = "best"):
+        import jax
+
+        from realm_jax import sharding
+        from realm_jax.data import datasets
+
+        self.config, self.workdir, self._which = config, workdir, which
+        self.is_qa = config.task == "qa"
+        self.data_dir = paths.data_dir(config, workdir)
+        datasets.load_summary(self.data_dir)  # a clear error when the data is not prepared
+        self._mesh = sharding.make_mesh(config.mesh, devices=jax.local_devices()[:1])
+        self._blocks = datasets.blocks_source(self.data_dir)
+        self._predictors: dict[str, tuple] = {}
+        self._params: dict | None = None
+        self._emb: np.ndarray | None = None
+        self._bm25 = None
+
+    def __repr__(self) -> str:
+        kind = "fine-tuned (QA)" if self.is_qa else f"pre-trained ({self.config.task})"
+        return f"realm_jax.Model({self.workdir!r}, {kind}, variant {self.config.variant})"
+
+    # ------------------------------------------------------------------ weights and index
+    def _networks(self) -> dict:
+        """Host params of the query and document embedders from the workdir's checkpoint."""
+        if self._params is None:
+            from realm_jax import checkpoint, sharding
+            from realm_jax.index.embedding import abstract_params
+            from realm_jax.model.bert import ModelConfig
+            from realm_jax.model.realm import doc_embedder_name
+
+            mgr, step = self._manager()
+            ecfg = ModelConfig.from_config(self.config.model, "embedder")
+            out = {}
+            for name in dict.fromkeys(("query_embedder", doc_embedder_name(ecfg))):
+                self._model, target = abstract_params(self.config, self._mesh, name)
+                out[name] = sharding.to_host(
+                    checkpoint.restore_params_subtree(mgr, step, name, target)
+                )
+            self._params, self._step = out, step
+            log.info("%s: embedders from checkpoint %d", self.workdir, step)
+        return self._params
+
+    def _manager(self):
+        from realm_jax import checkpoint
+
+        if self.is_qa and self._which == "best" and fs.isdir(paths.best_dir(self.workdir)):
+            mgr = checkpoint.best_manager(
+                paths.best_dir(self.workdir), self.config.qa.best_metric, read_only=True
+            )
+            if (step := mgr.best_step()) is not None:
+                return mgr, step
+        if not fs.isdir(paths.checkpoint_dir(self.workdir)):
+            raise FileNotFoundError(f"{self.workdir}: no checkpoints: train this workdir first")
+        mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
+        step = mgr.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{paths.checkpoint_dir(self.workdir)}: no checkpoint yet")
+        return mgr, step
+
+    def _index(self) -> np.ndarray:
+        if self._emb is None:
+            from realm_jax.index import store
+
+            found = store.latest_valid(paths.index_dir(self.workdir))
+            if found is None:
+                raise FileNotFoundError(
+                    f"no valid index in {paths.index_dir(self.workdir)}: publish one "
+                    "(`realm-jax refresh --max_versions 1`, or `finetune`, which publishes its "
+                    "frozen index)"
+                )
+            self._emb = np.asarray(store.load_embeddings(found[1]), np.float32)
+        return self._emb
+
+    def _text(self, i: int) -> tuple[str, str]:
+        rec = self._blocks[int(i)]
+        return rec["title"].decode(), rec["text"].decode()
+
+    def _hit(self, i: int, score: float) -> Hit:
+        return Hit(int(i), *self._text(i), float(score))
+
+    # -------------------------------------------------------------------------- embedding
+    @functools.cached_property
+    def _embed_q(self):
+        import jax
+
+        from realm_jax.index.embedding import embed_query_tokens
+
+        self._networks()
+        return jax.jit(functools.partial(embed_query_tokens, self._model))
+
+    @functools.cached_property
+    def _embed_b(self):
+        import jax
+
+        from realm_jax.index.embedding import embed_block_tokens
+
+        self._networks()
+        return jax.jit(functools.partial(embed_block_tokens, self._model))
+
+    def embed_queries(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        """[len(texts), proj_size] float32: the query embedder's vectors (what retrieval
+        scores against the index by inner product)."""
+        from realm_jax.tokenization import encode_query
+
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        net = {"query_embedder": self._networks()["query_embedder"]}
+        n = self.config.data.query_len
+        out = []
+        for i in range(0, len(texts), batch_size):
+            ids = np.stack([encode_query(t, n) for t in texts[i : i + batch_size]])
+            out.append(np.asarray(self._embed_q(net, ids), np.float32))
+        return np.concatenate(out) if out else np.zeros((0, self._dim()), np.float32)
+
+    def embed_blocks(
+        self, texts: list[str], titles: list[str] | None = None, batch_size: int = 64
+    ) -> np.ndarray:
+        """[len(texts), proj_size] float32: the document embedder's vectors of blocks
+        "[CLS] title [SEP] text [SEP]" (cut to data.block_len wordpieces), as the index holds."""
+        from realm_jax.model.bert import ModelConfig
+        from realm_jax.model.realm import doc_embedder_name
+        from realm_jax.tokenization import encode_block
+
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        titles = [""] * len(texts) if titles is None else list(titles)
+        if len(titles) != len(texts):
+            raise ValueError(f"{len(titles)} titles for {len(texts)} texts")
+        name = doc_embedder_name(ModelConfig.from_config(self.config.model, "embedder"))
+        net = {name: self._networks()[name]}
+        n = self.config.data.block_len
+        out = []
+        for i in range(0, len(texts), batch_size):
+            pairs = zip(titles[i : i + batch_size], texts[i : i + batch_size], strict=True)
+            ids = np.stack([encode_block(t, x, n)[0] for t, x in pairs])
+            out.append(np.asarray(self._embed_b(net, ids), np.float32))
+        return np.concatenate(out) if out else np.zeros((0, self._dim()), np.float32)
+
+    def _dim(self) -> int:
+        return int(self.config.model.proj_size)
+
+    # -------------------------------------------------------------------------- retrieval
+    def bm25(self):
+        """The BM25 retriever (bm25s) over every block's "title\\ntext", built on first use."""
+        if self._bm25 is None:
+            from realm_jax.index.bm25 import BM25Retriever
+
+            n = len(self._blocks)
+            recs = self._blocks.__getitems__(range(n))
+            self._bm25 = BM25Retriever(
+                [f"{r['title'].decode()}\n{r['text'].decode()}" for r in recs]
+            )
+        return self._bm25
+
+    def retrieve(self, questions, k: int = 5, retriever: str = "dense"):
+        """The top k blocks of each question (or masked sentence): [Hit] for a string,
+        [[Hit]] for a list. retriever: dense, bm25 or hybrid (module docstring)."""
+        if retriever not in RETRIEVERS:
+            raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        single = isinstance(questions, str)
+        qs = [questions] if single else list(questions)
+        ids, scores = self._search(qs, k, retriever)
+        out = [[self._hit(i, s) for i, s in zip(r, t, strict=True)] for r, t in zip(ids, scores)]
+        return out[0] if single else out
+
+    def _search(self, qs: list[str], k: int, retriever: str) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self._blocks)
+        k = min(k, n)
+        if retriever == "bm25":
+            return self.bm25().search(qs, k)
+        dense = self.embed_queries(qs) @ self._index().T  # [Q, N] exact inner products
+        if retriever == "dense":
+            top = np.argsort(-dense, axis=1, kind="stable")[:, :k]
+            return top, np.take_along_axis(dense, top, 1)
+        pool = min(max(int(self.config.get("qa", {}).get("hybrid_pool", 100)), k), n)
+        weight = float(self.config.get("qa", {}).get("hybrid_bm25_weight", 1.0))
+        lexical, _ = self.bm25().search(qs, pool)
+        d_top = np.argsort(-dense, axis=1, kind="stable")[:, :pool]
+        ids, scores = [], []
+        for b in range(len(qs)):
+            union = np.array(list(dict.fromkeys([*d_top[b].tolist(), *lexical[b].tolist()])))
+            s = dense[b, union] + weight * self.bm25().scores([qs[b]], union[None])[0]
+            order = np.argsort(-s, kind="stable")[:k]
+            ids.append(union[order])
+            scores.append(s[order])
+        return np.stack(ids), np.stack(scores)
+
+    # ----------------------------------------------------------------------------- answers
+    def answer(self, questions, retriever: str = "dense", batch_size: int = 8):
+        """The reader's answer to each question, with the blocks it read (qa.reader_beam_size
+        of them): an Answer for a string, [Answer] for a list. Fine-tuned workdirs only."""
+        if not self.is_qa:
+            raise ValueError(
+                f"{self.workdir} is a pre-training workdir ({self.config.task}): its reader "
+                "fills masks, it does not answer; fine-tune it (`realm-jax finetune`) and load "
+                "that workdir, or use retrieve()"
+            )
+        if retriever not in RETRIEVERS:
+            raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
+        from realm_jax.qa.answers import QAExample
+        from realm_jax.qa.commands import open_predictor
+
+        if retriever not in self._predictors:
+            self._predictors[retriever] = open_predictor(
+                self.config, self.workdir, retriever, self._which
+            )
+        predictor, params, _ = self._predictors[retriever]
+        single = isinstance(questions, str)
+        qs = [questions] if single else list(questions)
+        records, _ = predictor.run(params, [QAExample(q, ()) for q in qs], batch_size)
+        out = []
+        for q, r in zip(qs, records, strict=True):
+            # each block's retrieval score: bm25 / hybrid their own, dense the relevance
+            evidence = [self._hit(b["id"], b.get(retriever, b["score"])) for b in r["top_blocks"]]
+            block = next((h for h in evidence if h.block_id == r["block"]["id"]), evidence[0])
+            out.append(Answer(q, r["prediction"], float(r["score"]), block, evidence))
+        return out[0] if single else out
