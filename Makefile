@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
-.PHONY: venv test check test-system test-experiments test-slow smoke lint format bench clean \
+.PHONY: venv test check test-system test-experiments test-slow smoke smoke-qa lint format bench clean \
 	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial
 
 # The packages' bytecode is compiled at install, on every core: where PYTHONDONTWRITEBYTECODE is
@@ -68,6 +68,13 @@ smoke: $(STAMP)
 	rm -rf $(SMOKE_DIR)/checkpoints $(SMOKE_DIR)/index $(SMOKE_DIR)/tb
 	$(PY) -m realm_jax prepare --config configs/realm.py:smoke --workdir $(SMOKE_DIR)
 	$(PY) -m realm_jax local --config configs/realm.py:smoke --workdir $(SMOKE_DIR) --cpu_devices 2
+
+# A fine-tuned workdir to try the Python API on (docs/python.md): the sample's questions, from
+# scratch each time (prepared data is reused).
+smoke-qa: $(STAMP)
+	rm -rf runs/smoke-qa/checkpoints runs/smoke-qa/best runs/smoke-qa/index runs/smoke-qa/tb
+	$(PY) -m realm_jax prepare --config configs/orqa.py:smoke --workdir runs/smoke-qa
+	$(PY) -m realm_jax finetune --config configs/orqa.py:smoke --workdir runs/smoke-qa --cpu_devices 2
 
 LINT_DIRS := realm_jax configs tests benchmarks acceptance experiments
 

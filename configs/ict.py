@@ -5,7 +5,8 @@ same networks), plus `ict`. Run `python -m realm_jax ict --config configs/ict.py
 after `prepare`; point REALM's `model.init_embedders_from_ict` at the workdir.
 
 Variants: smoke (the bundled sample, tiny), small, base (ORQA's: batch 4096, lr 1e-4,
-100k steps, BERT-base), squad (the learning recipe, experiments/squad_qa).
+100k steps, BERT-base), squad (the learning recipe, experiments/squad_qa), world (the generated
+world's warm start, docs/tutorial.md).
 """
 
 import ml_collections

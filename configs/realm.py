@@ -96,7 +96,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             span_hidden_size=64,
         )
     elif variant == "world":  # bert-tiny in all three (a random-init model never learns there:
-        # its ICT stays at ln(batch), docs/tutorial.md); no ICT warm start by default
+        # its ICT stays at ln(batch), docs/tutorial.md); the ICT warm start is set in _world
         tiny = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
         c.model = _model(
             dict(tiny, hidden_act="gelu", max_position_embeddings=512),

@@ -270,3 +270,19 @@ def _python_api(root, ddir, work):
     np.testing.assert_allclose(again, emb[same], rtol=2e-4, atol=2e-4)
     with pytest.raises(ValueError, match="retriever must be one of"):
         model.retrieve("x", retriever="nope")
+
+    # docs/python.md's examples, run as written on this workdir (its config recorded as the
+    # CLI records it, so load() needs no config argument)
+    from realm_jax import api
+
+    api.record_run_config(work, "configs/orqa.py:smoke", over)
+    with open(os.path.join(REPO, "docs", "python.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 4
+    namespace = {}
+    for code in blocks:
+        exec(
+            compile(code.replace('"runs/smoke-qa"', repr(work)), "docs/python.md", "exec"),
+            namespace,
+        )
+    assert namespace["a"].evidence and namespace["q"].shape == (2, namespace["b"].shape[1])
