@@ -19,7 +19,6 @@ import ml_collections
 
 from realm_jax import config as config_lib
 
-
 # train.* fields taken from configs/realm.py's variant on purpose (tests/test_configs.py fails
 # on any other inherited train field): the same AdamW and loop settings as pre-training.
 INHERITED = config_lib.SHARED_TRAIN_FIELDS

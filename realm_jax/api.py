@@ -7,7 +7,8 @@
     model.embed_queries(["..."]), model.embed_blocks(["..."], titles=["..."])  # numpy arrays
 
 A workdir is one that `ict`, `train`, `local`, `finetune` or `import` wrote: its config is read
-back from <workdir>/run_config.json (what the CLI records there), or given as `config=`. The
+back from <workdir>/run_config.json (what the CLI records there when such a command ends
+successfully), or given as `config=`. The
 retrievers are the CLI's: dense (the workdir's query embedder against its published index, an
 exact inner-product search), bm25 (bm25s over the same blocks) and hybrid (the union of both
 top lists, rescored dense + qa.hybrid_bm25_weight x BM25, as `evaluate --retriever hybrid`).

@@ -399,20 +399,21 @@ def _run(args, overrides: list[str]) -> int:
     from realm_jax import runtime
 
     runtime.setup(args)
-    if args.command in RECORDS_CONFIG:  # what realm_jax.load(workdir) reads back
+    from realm_jax.train.loop import TrainingStopped
+
+    try:
+        rc = getattr(importlib.import_module(module), function)(config, args) or 0
+    except TrainingStopped as e:
+        print(f"realm-jax {args.command}: stopped: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    if rc == 0 and args.command in RECORDS_CONFIG:  # what realm_jax.load(workdir) reads back
         import jax
 
         from realm_jax import api
 
-        if jax.process_index() == 0:
+        if jax.process_index() == 0:  # written once the command has done its work
             api.record_run_config(args.workdir, args.config, overrides)
-    from realm_jax.train.loop import TrainingStopped
-
-    try:
-        return getattr(importlib.import_module(module), function)(config, args) or 0
-    except TrainingStopped as e:
-        print(f"realm-jax {args.command}: stopped: {e}", file=sys.stderr)
-        return EXIT_FAILURE
+    return rc
 
 
 if __name__ == "__main__":

@@ -84,6 +84,9 @@ SHARED_TRAIN_FIELDS = (
     "train.keep_checkpoints",
     "train.preemption_save",
     "train.max_nonfinite",
+    "train.stall_timeout_s",
+    "train.stall_floor_s",
+    "train.first_step_timeout_s",
     "train.record_example_ids",
     "train.num_candidates",  # REALM's candidates: ICT and fine-tuning do not read it
     "train.mlm_vocab_chunk",  # REALM's MLM head: ICT and fine-tuning have none
@@ -298,6 +301,9 @@ RANGES = {
     "train.eval_every": ((lambda v: v >= 0), "0 (off) or positive"),
     "train.eval_examples": ((lambda v: v >= 0), "0 (all) or positive"),
     "train.max_nonfinite": _at_least(1),
+    "train.stall_timeout_s": ((lambda v: v >= 0), "0 (automatic) or positive seconds"),
+    "train.stall_floor_s": ((lambda v: v > 0), "positive seconds"),
+    "train.first_step_timeout_s": ((lambda v: v > 0), "positive seconds"),
     "refresh.every": _at_least(1),
     "refresh.check_every": _at_least(1),
     "refresh.keep": _at_least(1),

@@ -450,9 +450,12 @@ def export_command(config, args) -> int:
     tmp = tempfile.mkdtemp(
         prefix=f".{os.path.basename(out)}.tmp-{secrets.token_hex(3)}", dir=parent
     )
+    records = _block_records(config, workdir, block_emb) if "openqa" in folders else None
     try:
         for name, (cfg, tensors) in folders.items():
             hf_export.write_folder(os.path.join(tmp, name), cfg, tensors, vocab)
+        if records is not None:  # HF's RealmRetriever.from_pretrained(openqa/) reads it
+            np.save(os.path.join(tmp, "openqa", BLOCK_RECORDS), records, allow_pickle=True)
         _open_permissions(tmp)  # mkdtemp and safetensors make owner-only files
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
@@ -462,9 +465,40 @@ def export_command(config, args) -> int:
     print(f"exported {what} of {workdir} to {out}: {', '.join(f + '/' for f in folders)}")
     if index_path and "openqa" in folders:
         print(f"  openqa/block_emb: {block_emb.shape[0]} x {block_emb.shape[1]} from {index_path}")
+    if records is not None:
+        print(f"  openqa/{BLOCK_RECORDS}: the {len(records)} blocks' texts (HF's RealmRetriever)")
+    elif "openqa" in folders:
+        print(
+            f"  no openqa/{BLOCK_RECORDS}: the index's rows are not the blocks of "
+            f"{paths.data_dir(config, workdir)} (not prepared there, or another count); "
+            "HuggingFace's RealmRetriever needs them"
+        )
     for note in notes:
         print(f"  {note}")
     return 0
+
+
+BLOCK_RECORDS = "block_records.npy"
+
+
+def _block_records(config, workdir: str, block_emb) -> np.ndarray | None:
+    """HuggingFace's block_records.npy for the exported index: each block's text as bytes, row
+    i = block i = row i of block_emb (a numpy object array; np.save stores it as a pickle, as
+    HF's own file is). The text without its title, as the release's blocks.tfr and HF's file
+    hold it (the index rows embed [CLS] title [SEP] text [SEP]). None when the prepared data is
+    not there or does not match the index row for row."""
+    from realm_jax.data import datasets
+
+    ddir = paths.data_dir(config, workdir)
+    if block_emb is None or datasets.read_summary(ddir) is None:
+        return None
+    src = datasets.blocks_source(ddir)
+    if len(src) != block_emb.shape[0]:
+        return None
+    recs = src.__getitems__(range(len(src)))
+    out = np.empty(len(recs), dtype=object)
+    out[:] = [bytes(r["text"]) for r in recs]
+    return out
 
 
 def _open_permissions(root: str) -> None:

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.lock import LEASE_SECONDS, workdir_lock
+from realm_jax.train import watchdog
 from realm_jax.train.metrics import MetricWriter, Progress, line
 
 log = logging.getLogger("realm_jax.train")
@@ -297,6 +298,8 @@ def run(
     step, extra = start, {}
     ids_log = _example_ids_log(config, workdir)
     ready = -1  # the step before_step last ran for
+    # a main thread stuck while its JAX client keeps beating exits (train/watchdog.py)
+    wd = watchdog.from_config(tc, f"{config.task} training step")
 
     def prepare(step: int) -> None:
         """The task's host work before `step` (REALM: take up a newer index), once per step."""
@@ -319,20 +322,25 @@ def run(
 
     try:
         if start == 0:
-            evaluate(0)
+            with wd.stage("evaluation", slow=True, step=0):
+                evaluate(0)
         while step < tc.steps:
-            prepare(step)
-            local = next(it)
+            with wd.stage("index swap", slow=True, step=step):
+                prepare(step)
+            with wd.stage("data", step=step):
+                local = next(it)
             example_ids = local.pop("example_id", None)  # host-side: never sent to the device
-            batch = sharding.global_batch(local, mesh)
-            state, metrics = task.step(state, batch)
+            with wd.stage("step", step=step):
+                batch = sharding.global_batch(local, mesh)
+                state, metrics = task.step(state, batch)
             step += 1
             if ids_log is not None and example_ids is not None:
                 ids_log.write(step, example_ids)
             at_log = step % tc.log_every == 0 or step == tc.steps
             at_save = step % tc.checkpoint_every == 0 or step == tc.steps
             if at_log or at_save:  # the host reads the metrics only here
-                last = {k: float(v) for k, v in sharding.to_host(metrics).items()}
+                with wd.stage("step", step=step):  # waits for the device (and its collectives)
+                    last = {k: float(v) for k, v in sharding.to_host(metrics).items()}
                 _check_finite(last, step, tc.max_nonfinite, mgr)
             if at_log:
                 last.update(extra)
@@ -343,11 +351,14 @@ def run(
                 if jax.process_index() == 0:
                     print(_console("", step, tc.steps, last, task.console_keys, prog), flush=True)
             if at_save:
-                checkpoint.save(mgr, step, state, save_args(it))
-                if ids_log is not None:  # on gs://: the ids up to this checkpoint, uploaded
-                    ids_log.upload()
+                with wd.stage("checkpoint save", slow=True, step=step):
+                    checkpoint.save(mgr, step, state, save_args(it))
+                    if ids_log is not None:  # on gs://: the ids up to this checkpoint, uploaded
+                        ids_log.upload()
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps):
-                evaluate(step)
+                with wd.stage("evaluation", slow=True, step=step):
+                    evaluate(step)
+            wd.beat(step)
             if tc.preemption_save and stop.any_process():
                 log.warning(
                     "stop requested (signal %s): %s checkpoint %d and exiting",
@@ -363,6 +374,7 @@ def run(
             log.error(message)
         raise
     finally:
+        wd.close()
         mgr.wait_until_finished()
         writer.close()
         if ids_log is not None:

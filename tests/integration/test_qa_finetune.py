@@ -286,3 +286,15 @@ def _python_api(root, ddir, work):
             namespace,
         )
     assert namespace["a"].evidence and namespace["q"].shape == (2, namespace["b"].shape[1])
+
+    # export writes HF's block_records.npy beside the index: row i = block i's text, read back
+    # here with the allow-listed reader (never numpy's pickle loader)
+    from realm_jax import cli
+    from realm_jax.interop.block_records import load_npy_strings
+
+    out = os.path.join(os.path.dirname(work), "hf-export")
+    assert cli.main(["export", "--config", "configs/orqa.py:smoke", "--workdir", work,
+                     "--out", out, *[f"--config.{o}" for o in over]]) == 0  # fmt: skip
+    records = load_npy_strings(os.path.join(out, "openqa", "block_records.npy"))
+    assert len(records) == len(src) == emb.shape[0]
+    assert [bytes(r) for r in records] == [bytes(src[i]["text"]) for i in range(len(src))]

@@ -36,7 +36,7 @@ def data_dir(tmp_path_factory):
     return prepare_sample_head(tmp_path_factory, config, 60)
 
 
-def _train_cli(workdir: str, data_dir: str, log: str) -> subprocess.Popen:
+def _train_cli(workdir: str, data_dir: str, log: str, *extra, env=None) -> subprocess.Popen:
     """`python -m realm_jax train` (the tiny run's overrides) into `workdir`, started; the
     console to `log`. Its 2 fake devices (conftest) train faster than this process's 4."""
     cmd = [
@@ -44,9 +44,12 @@ def _train_cli(workdir: str, data_dir: str, log: str) -> subprocess.Popen:
         *("--config", os.path.join(REPO, "configs", "realm.py") + ":smoke"),
         *[f"--config.{o}" for o in OVERRIDES],
         f"--config.data.data_dir={data_dir}",
+        *extra,
     ]
     with open(log, "wb") as f:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
 
 def _event_losses(workdir: str, names: list[str], scratch) -> dict[int, float]:
@@ -95,6 +98,36 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     new = sorted(set(os.listdir(paths.tb_dir(killed))) - before)
     resumed = _event_losses(killed, new, tmp_path / "r")  # the resumed process's steps only
     assert 4 <= at < 24 and sorted(resumed) == list(range(at + 1, 25)), (at, sorted(resumed))
+    for step, loss in resumed.items():
+        np.testing.assert_allclose(loss, full_losses[step], rtol=1e-5, err_msg=f"step {step}")
+
+    # A hang (issue 48): the main thread blocks at step 7 (the test-only fault hook) while
+    # every other thread runs on; the watchdog exits 75 within its bound with every thread's
+    # stack in the log, and the relaunch resumes onto the uninterrupted run's losses.
+    hung = str(tmp_path / "hung")
+    bound = ["--config.train.stall_timeout_s=4", "--config.train.checkpoint_every=4"]
+    t0 = time.time()
+    proc = _train_cli(hung, data_dir, str(tmp_path / "hung.log"), *bound,
+                      env={"REALM_JAX_TEST_HANG": "step:7"})  # fmt: skip
+    assert proc.wait(timeout=400) == 75, (tmp_path / "hung.log").read_text()[-3000:]
+    log = (tmp_path / "hung.log").read_text()
+    stalled = re.search(
+        r"stalled: no realm training step completed for ([\d.]+) s \(bound 4 s", log
+    )
+    assert stalled and 4 <= float(stalled.group(1)) < 30, log[-3000:]
+    assert "stage 'step'" in log and "after step 7" in log
+    assert "Current thread" in log or "Thread 0x" in log  # faulthandler's stacks
+    assert "in stage" in log and "watchdog.py" in log  # the blocked main thread, where it waits
+    assert time.time() - t0 < 300
+    before = set(os.listdir(paths.tb_dir(hung)))
+    proc = _train_cli(hung, data_dir, str(tmp_path / "hung-resumed.log"), *bound)
+    assert proc.wait() == 0, (tmp_path / "hung-resumed.log").read_text()[-3000:]
+    log = (tmp_path / "hung-resumed.log").read_text()
+    assert int(re.search(r"resumed from checkpoint (\d+)", log).group(1)) == 4
+    resumed = _event_losses(
+        hung, sorted(set(os.listdir(paths.tb_dir(hung))) - before), tmp_path / "h"
+    )
+    assert sorted(resumed) == list(range(5, 25))
     for step, loss in resumed.items():
         np.testing.assert_allclose(loss, full_losses[step], rtol=1e-5, err_msg=f"step {step}")
 

@@ -27,7 +27,7 @@ LAYERS = [
     {"index"},
     {"train"},
     {"pretrain", "ict", "qa"},  # the tasks
-    {"cli", "__main__", "sweep", "plan", "interop.commands"},  # entry points (cli: strings)
+    {"cli", "__main__", "sweep", "plan", "interop.commands", "api"},  # entry points (cli: strings)
 ]
 TASKS = LAYERS[5]
 # Modules that are a room of their own inside another room's folder (module -> room).
