@@ -218,7 +218,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.eval_examples = 256 if variant == "smoke" else 1024  # held-out examples used (0 all)
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
     c.train.max_nonfinite = 5  # non-finite steps in a row (skipped) before the run stops
-    # The progress watchdog (train/watchdog.py): no step completed within the bound -> every
+    # The progress watchdog (watchdog.py): no step completed within the bound -> every
     # thread's stack to the log and exit 75, so a restart resumes. 0 = automatic: max(floor,
     # 20 x the mean step time, 3 x the longest gap between steps)
     c.train.stall_timeout_s = 0.0  # seconds without a completed step; 0 = automatic

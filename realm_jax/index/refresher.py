@@ -4,6 +4,7 @@ searcher) atomically (index/store.py), keeping the last few (index/retention.py)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -177,9 +178,16 @@ class Refresher:
             emb.block_until_ready()
         return emb
 
-    def run(self, stop: threading.Event | None = None, max_versions: int | None = None) -> int:
-        """Watch checkpoints until `stop` is set (or max_versions published); returns count."""
+    def run(
+        self, stop: threading.Event | None = None, max_versions: int | None = None, wd=None
+    ) -> int:
+        """Watch checkpoints until `stop` is set (or max_versions published); returns count.
+        wd: the refresh job's progress watchdog (watchdog.py), beaten every poll; a
+        refresh (embedding the corpus) is a slow stage, bounded by train.first_step_timeout_s."""
         stop = stop or threading.Event()
+        beat = contextlib.nullcontext
+        if wd is not None:
+            beat = wd.stage
         mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
         versions = store.list_versions(self.dir)
         last = versions[-1] if versions else -1
@@ -190,13 +198,17 @@ class Refresher:
             last,
         )
         while not stop.is_set() and (max_versions is None or done < max_versions):
-            mgr.reload()
-            step = self.refresh_newest(mgr, last)  # catch up: straight to the newest
+            with beat("checkpoint poll"):
+                mgr.reload()
+            with beat("refresh", slow=True):
+                step = self.refresh_newest(mgr, last)  # catch up: straight to the newest
             if step is not None:
                 last = step
                 done += 1
             else:
                 stop.wait(self.config.refresh.poll_seconds)
+            if wd is not None:
+                wd.beat(last)
         return done
 
 
@@ -250,5 +262,10 @@ def command(config, args) -> int:
         # each host reads only the block rows of its own devices
         mesh = sharding.make_mesh(_all_devices_mesh(config))
         tokens = datasets.sharded_block_tokens(paths.data_dir(config, args.workdir), mesh)
-        Refresher(config, args.workdir, tokens, mesh).run(stop, max_versions=args.max_versions)
+        from realm_jax import watchdog
+
+        # a job stuck while its JAX client keeps beating exits (75) for its supervisor to
+        # restart; waiting for a checkpoint is not a stall (every poll beats)
+        with watchdog.from_config(config.train, "refresh poll") as wd:
+            Refresher(config, args.workdir, tokens, mesh).run(stop, args.max_versions, wd)
     return 0

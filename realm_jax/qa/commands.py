@@ -13,7 +13,7 @@ import time
 import jax
 import optax
 
-from realm_jax import checkpoint, fs, sharding
+from realm_jax import checkpoint, fs, sharding, watchdog
 from realm_jax import workdir as paths
 from realm_jax.data import datasets, pipeline
 from realm_jax.index import store
@@ -310,9 +310,11 @@ def evaluate(config, args) -> int:
     predictor, params, source = open_predictor(
         config, args.workdir, args.retriever, args.checkpoint, model=not (alone and bm25)
     )
-    records, metrics = predictor.run(
-        params, examples, int(config.train.eval_batch_size), read=not alone
-    )
+    # a long evaluation stuck while its JAX client beats exits (75): every batch is a beat
+    with watchdog.from_config(config.train, "evaluation batch") as wd:
+        records, metrics = predictor.run(
+            params, examples, int(config.train.eval_batch_size), read=not alone, on_batch=wd.beat
+        )
     metrics.update(
         cpu_seconds=time.process_time() - cpu0,
         wall_seconds=time.perf_counter() - wall0,

@@ -213,9 +213,17 @@ class Predictor:
                 missing[b] = True
         return ids, missing
 
-    def run(self, params, examples: list[qa_answers.QAExample], batch_size: int, read=True):
+    def run(
+        self,
+        params,
+        examples: list[qa_answers.QAExample],
+        batch_size: int,
+        read=True,
+        on_batch=None,
+    ):
         """(one record per question, metrics) for the examples, in order. read=False:
-        retrieval alone (recall@k; no reader, and for BM25 no model at all; not for gold)."""
+        retrieval alone (recall@k; no reader, and for BM25 no model at all; not for gold).
+        on_batch(questions done): called after each batch (`evaluate`'s watchdog beat)."""
         d, q = self.config.data, self.config.qa
         gold = self.retriever == "gold"
         if gold and not read:
@@ -269,6 +277,8 @@ class Predictor:
                     rec["hits"] = {str(k): bool(has[b][:k].any()) for k in self.ks}
                 records.append(rec)
                 hits.append(has[b])
+            if on_batch is not None:
+                on_batch(i + len(chunk))
         hits = np.asarray(hits, bool).reshape(len(records), -1)
         metrics = {"questions": float(len(records))}
         if read:

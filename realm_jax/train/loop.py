@@ -22,10 +22,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from realm_jax import checkpoint, fs, runtime, sharding
+from realm_jax import checkpoint, fs, runtime, sharding, watchdog
 from realm_jax import workdir as paths
 from realm_jax.lock import LEASE_SECONDS, workdir_lock
-from realm_jax.train import watchdog
 from realm_jax.train.metrics import MetricWriter, Progress, line
 
 log = logging.getLogger("realm_jax.train")
@@ -298,7 +297,7 @@ def run(
     step, extra = start, {}
     ids_log = _example_ids_log(config, workdir)
     ready = -1  # the step before_step last ran for
-    # a main thread stuck while its JAX client keeps beating exits (train/watchdog.py)
+    # a main thread stuck while its JAX client keeps beating exits (watchdog.py)
     wd = watchdog.from_config(tc, f"{config.task} training step")
 
     def prepare(step: int) -> None:
@@ -339,7 +338,7 @@ def run(
             at_log = step % tc.log_every == 0 or step == tc.steps
             at_save = step % tc.checkpoint_every == 0 or step == tc.steps
             if at_log or at_save:  # the host reads the metrics only here
-                with wd.stage("step", step=step):  # waits for the device (and its collectives)
+                with wd.stage("step results", step=step):  # waits for the device, collectives
                     last = {k: float(v) for k, v in sharding.to_host(metrics).items()}
                 _check_finite(last, step, tc.max_nonfinite, mgr)
             if at_log:

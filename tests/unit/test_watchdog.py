@@ -1,4 +1,4 @@
-"""The progress watchdog (train/watchdog.py): its bounds against hand-computed values, and a
+"""The progress watchdog (watchdog.py): its bounds against hand-computed values, and a
 stall that fires with the stage named and every thread's stack, in process (a fake exit)."""
 
 import tempfile
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from realm_jax.train import watchdog as wd_lib
+from realm_jax import watchdog as wd_lib
 
 
 class _Exit(Exception):

@@ -22,9 +22,10 @@ Bounds (config fields of the train section; the refresh job's in refresh.*):
 `stage(name)` names what the main thread is doing (the data, the step, a checkpoint save, an
 evaluation): the stall line says which, so a hung data loader is named as such.
 
-A test-only fault hook, REALM_JAX_TEST_HANG="<stage>:<step>" (e.g. "step:3"), blocks the main
-thread for ever when it enters that stage at that step while every other thread runs on: the
-hang drills (docs/reliability.md) use it; nothing else reads it.
+A test-only fault hook, REALM_JAX_TEST_HANG="<stage>:<step>" (e.g. "step:3": when the training
+loop starts the step after step 3; "data:3" in its data loader), blocks the main thread for ever
+when it enters that stage at that step while every other thread runs on: the hang drills
+(docs/reliability.md) use it; nothing else reads it.
 """
 
 from __future__ import annotations
@@ -94,15 +95,15 @@ class Watchdog:
         """The main thread is in stage `name`; slow=True: bounded by first_timeout_s (it may
         compile or wait on storage) rather than by the step bound. Time spent in a slow stage
         does not count as a stalled step: the clock restarts when it ends."""
-        hang = os.environ.get(TEST_HANG, "")
-        if hang and hang == f"{name}:{step}":  # the test-only fault hook (module docstring)
-            log.warning("%s=%s: blocking the main thread (test-only fault hook)", TEST_HANG, hang)
-            threading.Event().wait()
         with self._lock:
             before = (self._stage, self._stage_bound)
             self._stage, self._stage_bound = name, (self.first if slow else None)
             if slow:
                 self._last = time.monotonic()
+        hang = os.environ.get(TEST_HANG, "")
+        if hang and hang == f"{name}:{step}":  # the test-only fault hook (module docstring)
+            log.warning("%s=%s: blocking the main thread (test-only fault hook)", TEST_HANG, hang)
+            threading.Event().wait()
         try:
             yield
         finally:
