@@ -38,7 +38,7 @@ def data_dir(tmp_path_factory):
 
 
 def _start(
-    workdir: str, processes: int, data_dir: str, log: str, extra=()
+    workdir: str, processes: int, data_dir: str, log: str, extra=(), env_of=None
 ) -> list[subprocess.Popen]:
     """`realm-jax train` on 4 fake CPU devices in all: one process, or `processes`
     jax.distributed processes on loopback (4 / processes devices each). XLA's programs go to
@@ -69,8 +69,9 @@ def _start(
         dist += (
             [] if processes == 1 else ["--num_processes", str(processes), "--process_id", str(i)]
         )
+        own = {**env, **((env_of or {}).get(i, {}))}  # a drill's fault hook, one process only
         with open(f"{log}.{i}", "wb") as out:
-            procs.append(subprocess.Popen(base + dist, cwd=REPO, env=env, stdout=out, stderr=out))
+            procs.append(subprocess.Popen(base + dist, cwd=REPO, env=own, stdout=out, stderr=out))
     return procs
 
 
@@ -185,3 +186,58 @@ def test_bm25_candidates_on_two_processes_match_one(data_dir, tmp_path):
     for step in range(1, STEPS + 1):
         np.testing.assert_allclose(loss_two[step], loss_one[step], rtol=1e-5, err_msg=str(step))
     assert open(f"{logs['one']}.0").read().count("span_in_candidates_dense") > 0
+
+
+def test_a_hung_process_ends_both_and_the_relaunch_resumes(data_dir, tmp_path):
+    """Issue 48's hang drill: process 1 of 2 blocks its main thread before the step after step
+    5 (REALM_JAX_TEST_HANG, the test-only fault hook) while its JAX client keeps beating, so the
+    coordination service never ends the job. Both processes exit within the watchdog's bound
+    (5 s) plus a margin, each log naming the stall with every thread's stack; the relaunch
+    resumes from checkpoint 4 onto the uninterrupted run's losses."""
+    import time
+
+    steps = ["train.steps=8", "refresh.every=4", "train.checkpoint_every=2"]
+    bound = ["train.stall_timeout_s=5", *steps]
+    full, hung = str(tmp_path / "full"), str(tmp_path / "hung")
+    logs = {"full": str(tmp_path / "full.log")}
+    _wait({"full": _start(full, 2, data_dir, logs["full"], steps)}, logs)
+    want = _losses(full)
+    assert sorted(want) == list(range(1, 9))
+
+    log = str(tmp_path / "hung.log")
+    procs = _start(hung, 2, data_dir, log, bound, env_of={1: {"REALM_JAX_TEST_HANG": "step:5"}})
+    try:
+        t0 = time.time()
+        codes = [p.wait(timeout=400) for p in procs]
+        took = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [open(f"{log}.{i}").read() for i in range(2)]
+    hook = [t for t in texts[1].splitlines() if "test-only fault hook" in t]
+    assert hook, texts[1][-3000:]
+    # the hung process: its watchdog's stall line and every thread's stack, exit 75
+    assert codes[1] == 75, (codes, texts[1][-3000:])
+    line = next((x for x in texts[1].splitlines() if x.startswith("realm-jax: stalled")), "")
+    assert "bound 5 s" in line and "stage 'step'" in line and "after step 5" in line, line
+    assert "Thread 0x" in texts[1] or "Current thread" in texts[1]
+    # its peer, blocked in the step's collective, ends too: by its own watchdog (exit 75, its
+    # stacks) or, when the hung process's exit closes the collective first (gloo on CPU does
+    # at once), as a lost peer (the loop's one line, then JAX's abort)
+    assert codes[0] != 0, texts[0][-3000:]
+    assert (
+        "realm-jax: stalled" in texts[0]
+        or "a collective with the other processes failed" in texts[0]
+    )
+    assert took < 5 + 30 + 60, took  # the bound + JAX's heartbeat timeout + startup
+
+    before = set(os.listdir(paths.tb_dir(hung)))
+    out = _wait(
+        {"resume": _start(hung, 2, data_dir, log + ".resume", bound)}, {"resume": log + ".resume"}
+    )
+    assert "resumed from checkpoint 4" in out["resume"], out["resume"][-3000:]
+    got = _losses(hung, skip=before)
+    assert sorted(got) == list(range(5, 9))
+    for step, loss in got.items():
+        np.testing.assert_allclose(loss, want[step], rtol=1e-5, err_msg=f"step {step}")
