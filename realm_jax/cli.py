@@ -329,6 +329,7 @@ EXPECTED_ERRORS = (
     "realm_jax.checkpoint:NoRestorableCheckpoint",  # every checkpoint of the workdir damaged
     "realm_jax.plan:PlanError",  # a slice the config does not fit or cannot run on
     "realm_jax.fs:StorageError",  # a gs:// bucket that is missing, forbidden or unreachable
+    "gcsfs.retry:HttpError",  # a gs:// request still failing after gcsfs's retries (429, 5xx)
 )
 # ValueError and FileNotFoundError are expected too when realm_jax's own code raised them (its
 # validation: "--top_k must be at least 1", "no checkpoint in ..."); raised inside a library
@@ -360,6 +361,8 @@ def is_expected(error: BaseException) -> bool:
 def error_line(command: str, error: BaseException) -> str:
     """`realm-jax <command>: error: <message>` on one line."""
     message = " ".join(str(error).split()) or type(error).__name__
+    if type(error).__module__.startswith("gcsfs"):  # HTTP status and text: say where it came from
+        message = f"gs:// request failed after gcsfs's retries with backoff: {message}"
     return f"realm-jax {command}: error: {message}"
 
 
