@@ -146,7 +146,13 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle  # noqa: N815
+            def _safe(self):
+                try:
+                    self._handle()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up: fine
+                    self.close_connection = True
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _safe  # noqa: N815
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

