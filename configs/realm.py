@@ -236,6 +236,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # a newly published index (on a pod each look is one broadcast from process 0)
     c.refresh.keep = 3  # index versions kept by the refresher
     c.refresh.max_staleness = 4 * (20 if variant == "smoke" else 500)  # warn above this many steps
+    # `local` restarts its refresh job when it exits or stays stopped (SIGSTOP) this long
+    c.refresh.max_restarts = 3  # restarts of local's refresh job before the run stops
+    c.refresh.stopped_grace_s = 30.0  # seconds a stopped refresh job is left before a restart
     c.refresh.embed_batch_size = 64 if variant == "smoke" else 512  # blocks per embedding call
     c.refresh.poll_seconds = 2.0  # how often the refresher looks for a new checkpoint
     # the trainer's wait for its first index: it gives up after this long without one AND

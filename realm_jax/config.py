@@ -305,6 +305,8 @@ RANGES = {
     "train.stall_floor_s": ((lambda v: v > 0), "positive seconds"),
     "train.first_step_timeout_s": ((lambda v: v > 0), "positive seconds"),
     "refresh.every": _at_least(1),
+    "refresh.max_restarts": _at_least(0),
+    "refresh.stopped_grace_s": ((lambda v: v > 0), "positive seconds"),
     "refresh.check_every": _at_least(1),
     "refresh.keep": _at_least(1),
     "refresh.embed_batch_size": _at_least(1),

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -227,28 +228,86 @@ def local(config, args) -> int:
         return _local(config, args)
 
 
-def _local(config, args) -> int:
-    child = None
-    if config.refresh.mode == "external":
-        cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]
-        child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-        log.info("local: started refresher (pid %d)", child.pid)
-
-    def refresher_alive() -> None:
-        if child is not None and child.poll() is not None:
-            raise loop.TrainingStopped(
-                f"the refresh job (pid {child.pid}) exited with code {child.returncode}: the "
-                "index would go stale; stopping (its log is above). The last checkpoint is kept."
-            )
-
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (R, S, D, T for stopped, Z...; "" unknown)."""
     try:
-        _train(config, args.workdir, None, refresher_alive)  # the lock is held: not train()
-    finally:
-        if child is not None and child.poll() is None:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class _Supervised:
+    """`local`'s refresh job: restarted when it exits (its own watchdog exits 75 when it hangs
+    alive) or stays stopped (SIGSTOP, state T) for refresh.stopped_grace_s, up to
+    refresh.max_restarts times; then the run stops, its last checkpoint kept."""
+
+    def __init__(self, cmd: list[str], config):
+        self.cmd, self.restarts = cmd, 0
+        self.max_restarts = int(config.refresh.get("max_restarts", 3))
+        self.grace = float(config.refresh.get("stopped_grace_s", 30.0))
+        self.stopped_since: float | None = None
+        self.child = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        child = subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
+        log.info("local: started refresher (pid %d)", child.pid)
+        self.stopped_since = None
+        return child
+
+    def check(self) -> None:
+        child, why = self.child, None
+        if child.poll() is not None:
+            why = f"exited with code {child.returncode}"
+        elif _process_state(child.pid) == "T":
+            now = time.monotonic()
+            self.stopped_since = self.stopped_since or now
+            if now - self.stopped_since >= self.grace:
+                why = f"has been stopped (state T) for {now - self.stopped_since:.0f} s"
+                child.kill()
+                child.wait()
+        else:
+            self.stopped_since = None
+        if why is None:
+            return
+        if self.restarts >= self.max_restarts:
+            raise loop.TrainingStopped(
+                f"the refresh job (pid {child.pid}) {why}, after {self.restarts} restarts "
+                f"(refresh.max_restarts): the index would go stale; stopping (its log is "
+                "above). The last checkpoint is kept."
+            )
+        self.restarts += 1
+        log.warning(
+            "local: the refresh job (pid %d) %s: restarting it (%d of refresh.max_restarts %d)",
+            child.pid, why, self.restarts, self.max_restarts,
+        )  # fmt: skip
+        self.child = self._start()
+
+    def stop(self) -> None:
+        child = self.child
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)  # a stopped child cannot act on SIGTERM
             child.send_signal(signal.SIGTERM)
             try:
                 child.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 child.kill()
             log.info("local: refresher stopped")
+
+
+def _local(config, args) -> int:
+    supervised = None
+    if config.refresh.mode == "external":
+        cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]
+        supervised = _Supervised(cmd, config)
+
+    def refresher_alive() -> None:
+        if supervised is not None:
+            supervised.check()
+
+    try:
+        _train(config, args.workdir, None, refresher_alive)  # the lock is held: not train()
+    finally:
+        if supervised is not None:
+            supervised.stop()
     return 0
