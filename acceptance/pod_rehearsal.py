@@ -25,11 +25,15 @@ own: the prepared records are compared first and are identical).
 
     python acceptance/pod_rehearsal.py            # the whole chain, writes docs/reliability.md
     python acceptance/pod_rehearsal.py --quick    # fewer steps, no faults (tests/system)
+    python acceptance/pod_rehearsal.py --quick --faults http_503=0.05,drop=0.02
+                                                  # every gs:// request through a fault-injecting
+                                                  # proxy (tests/support/fault_proxy.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -44,6 +48,7 @@ from acceptance import pod_stages as S  # noqa: E402
 from acceptance.pod_jobs import StageError  # noqa: E402
 from benchmarks._report import write_section  # noqa: E402
 from tests.support.fake_gcs import FakeGCS, batch_patch_dir  # noqa: E402
+from tests.support.fault_proxy import FaultProxy  # noqa: E402
 
 DOC = os.path.join(REPO, "docs", "reliability.md")
 
@@ -71,6 +76,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-doc", action="store_true", help="do not write docs/reliability.md")
     p.add_argument(
+        "--faults",
+        default="",
+        help="storage faults per request through a proxy in front of fake-gcs-server, e.g. "
+        "http_429=0.05,http_503=0.05,slow=0.02,drop=0.02 (none by default)",
+    )
+    p.add_argument(
         "--redoc",
         action="store_true",
         help="only rewrite the doc section from ROOT/rehearsal.json (a finished run)",
@@ -90,19 +101,27 @@ def main(argv=None) -> int:
     os.makedirs(args.root)
     plan = S.Plan.make(args.root, quick=args.quick)
     rows: list[S.Row] = []
-    with FakeGCS(buckets=(S.BUCKET,), log_path=os.path.join(args.root, "fake-gcs.log")) as gcs:
+    rates = {k: float(v) for k, v in (kv.split("=") for kv in args.faults.split(",") if kv)}
+    with (
+        FakeGCS(buckets=(S.BUCKET,), log_path=os.path.join(args.root, "fake-gcs.log")) as gcs,
+        FaultProxy(gcs.url, seed=0, slow_s=0.5) if rates else contextlib.nullcontext() as proxy,
+    ):
+        genv = dict(gcs.env)
+        if proxy is not None:  # every client reaches the store through the proxy
+            proxy.set(**rates)
+            genv = {k: v.replace(gcs.url, proxy.url) for k, v in genv.items()}
         # fake-gcs-server drops batch parts without a Content-ID, which google-cloud-storage
         # (Beam's gs:// renames) leaves out: every child process adds one (tests/fake_gcs.py)
         path = os.pathsep.join(filter(None, (batch_patch_dir(), os.environ.get("PYTHONPATH"))))
         env = {
             **os.environ,
-            **gcs.env,
+            **genv,
             "JAX_PLATFORMS": "cpu",
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": path,
         }
         env.pop("XLA_FLAGS", None)  # the CLI's --cpu_devices sets each process's devices
-        os.environ.update(gcs.env)  # this process reads gs:// too (comparisons)
+        os.environ.update(genv)  # this process reads gs:// too (comparisons)
         plan.env = env
         try:
             for stage in S.stages(plan):
@@ -121,6 +140,8 @@ def main(argv=None) -> int:
             print(f"stage failed: {e}", file=sys.stderr)
         finally:
             plan.stop_background()
+        if proxy is not None:
+            print(f"faults injected: {dict(proxy.counts)}", flush=True)
     minutes = (time.time() - t0) / 60
     out = table(rows)
     print("\n" + out)
