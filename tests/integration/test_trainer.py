@@ -552,7 +552,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _local(data_dir, workdir, **popen_kw) -> tuple[subprocess.Popen, list[int]]:
+def _local(data_dir, workdir, *extra, **popen_kw) -> tuple[subprocess.Popen, list[int]]:
     """`local` in the background (external refresher, a long run) and its refresher's pid."""
     cmd = [
         *(sys.executable, "-m", "realm_jax", "local", "--workdir", str(workdir)),
@@ -561,6 +561,7 @@ def _local(data_dir, workdir, **popen_kw) -> tuple[subprocess.Popen, list[int]]:
         f"--config.data.data_dir={data_dir}",
         "--config.refresh.mode=external",
         "--config.train.steps=100000",
+        *extra,
     ]
     parent = subprocess.Popen(cmd, cwd=REPO, **popen_kw)
     deadline = time.time() + 120
@@ -592,20 +593,32 @@ def test_local_refresher_dies_with_a_killed_parent(data_dir, tmp_path):
     assert not alive, f"refresher {alive} outlived its killed parent"
 
 
-def test_local_stops_when_its_refresher_dies(data_dir, tmp_path):
-    """The refresher's death stops `local` (non-zero, naming the cause) instead of training
-    on a frozen index."""
-    parent, kids = _local(
-        data_dir, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    time.sleep(2)
-    os.kill(kids[0], signal.SIGKILL)
+def test_local_restarts_a_dead_refresher_then_stops(data_dir, tmp_path):
+    """A dead refresh job is restarted (refresh.max_restarts=1 here); when the restarted one
+    dies too, `local` stops (non-zero, naming the cause) instead of training on a frozen
+    index."""
+    with open(tmp_path / "local.log", "wb") as log:
+        parent, kids = _local(
+            data_dir, tmp_path, "--config.refresh.max_restarts=1", stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
-        out, _ = parent.communicate(timeout=180)
+        time.sleep(2)
+        os.kill(kids[0], signal.SIGKILL)
+        deadline, again = time.time() + 120, []
+        while time.time() < deadline and not again:
+            again = [k for k in _children(parent.pid) if k != kids[0]]
+            time.sleep(0.2)
+        assert again, (tmp_path / "local.log").read_text()[-3000:]
+        time.sleep(2)
+        os.kill(again[0], signal.SIGKILL)
+        parent.wait(timeout=180)
     finally:
         parent.kill()
+    out = (tmp_path / "local.log").read_text()
     assert parent.returncode != 0
-    assert "the refresh job" in out and "exited with code -9" in out
+    assert f"the refresh job (pid {kids[0]}) exited with code -9: restarting it" in out
+    assert f"the refresh job (pid {again[0]}) exited with code -9, after 1 restarts" in out
 
 
 def test_amortized_refresh_serves_slices_embedded_with_each_steps_params(data_dir, tmp_path):
