@@ -11,6 +11,7 @@ import ml_collections
 from flax import linen as nn
 
 from realm_jax import checkpoint, fs, sharding
+from realm_jax import config as config_lib
 from realm_jax import workdir as paths
 from realm_jax.index.embedding import abstract_params
 from realm_jax.interop import hf_import as weights
@@ -32,6 +33,15 @@ def params_hook(config, reader: bool = True, span_head: bool = False):
         or m.init_embedders_from_ict
         or (reader and m.init_from_realm)
     ):
+        log.warning(
+            "no weights to start from (model.init_embedder_from, init_reader_from, "
+            "init_embedders_from_ict, init_from_realm all empty): every network starts from "
+            "random weights (train.seed=%s). Fine for the machinery (smoke, benchmarks); a "
+            "model from random weights did not learn to retrieve here (docs/tutorial.md): start "
+            "from BERT, e.g. --config.model.init_embedder_from=%s "
+            "--config.model.init_reader_from=%s",
+            config.train.seed, config_lib.BERT_TINY, config_lib.BERT_TINY,
+        )  # fmt: skip
         return None
     ecfg = ModelConfig.from_config(m, "embedder")
     rcfg = ModelConfig.from_config(m, "reader")

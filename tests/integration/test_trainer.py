@@ -101,21 +101,22 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     for step, loss in resumed.items():
         np.testing.assert_allclose(loss, full_losses[step], rtol=1e-5, err_msg=f"step {step}")
 
-    # A hang (issue 48): the main thread blocks at step 7 (the test-only fault hook) while
-    # every other thread runs on; the watchdog exits 75 within its bound with every thread's
-    # stack in the log, and the relaunch resumes onto the uninterrupted run's losses.
+    # A hang (issue 48): the main thread blocks in its data loader after step 7 (the test-only
+    # fault hook: a loader that never returns) while every other thread runs on; the watchdog
+    # exits 75 within its bound naming the data stage, with every thread's stack in the log,
+    # and the relaunch resumes onto the uninterrupted run's losses.
     hung = str(tmp_path / "hung")
     bound = ["--config.train.stall_timeout_s=4", "--config.train.checkpoint_every=4"]
     t0 = time.time()
     proc = _train_cli(hung, data_dir, str(tmp_path / "hung.log"), *bound,
-                      env={"REALM_JAX_TEST_HANG": "step:7"})  # fmt: skip
+                      env={"REALM_JAX_TEST_HANG": "data:7"})  # fmt: skip
     assert proc.wait(timeout=400) == 75, (tmp_path / "hung.log").read_text()[-3000:]
     log = (tmp_path / "hung.log").read_text()
     stalled = re.search(
         r"stalled: no realm training step completed for ([\d.]+) s \(bound 4 s", log
     )
     assert stalled and 4 <= float(stalled.group(1)) < 30, log[-3000:]
-    assert "stage 'step'" in log and "after step 7" in log
+    assert "stage 'data'" in log and "after step 7" in log
     assert "Current thread" in log or "Thread 0x" in log  # faulthandler's stacks
     assert "in stage" in log and "watchdog.py" in log  # the blocked main thread, where it waits
     assert time.time() - t0 < 300
