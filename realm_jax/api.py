@@ -132,25 +132,27 @@ class Model:
         return f"realm_jax.Model({self.workdir!r}, {kind}, variant {self.config.variant})"
 
     # ------------------------------------------------------------------ weights and index
-    def _networks(self) -> dict:
-        """Host params of the query and document embedders from the workdir's checkpoint."""
+    def _network(self, name: str) -> dict:
+        """Host params of one network (query_embedder, doc_embedder) from the workdir's
+        checkpoint, restored on first use."""
         if self._params is None:
+            self._params = {}
+        if name not in self._params:
             from realm_jax import checkpoint, sharding
             from realm_jax.index.embedding import abstract_params
-            from realm_jax.model.bert import ModelConfig
-            from realm_jax.model.realm import doc_embedder_name
 
             mgr, step = self._manager()
-            ecfg = ModelConfig.from_config(self.config.model, "embedder")
-            out = {}
-            for name in dict.fromkeys(("query_embedder", doc_embedder_name(ecfg))):
-                self._model, target = abstract_params(self.config, self._mesh, name)
-                out[name] = sharding.to_host(
-                    checkpoint.restore_params_subtree(mgr, step, name, target)
-                )
-            self._params, self._step = out, step
-            log.info("%s: embedders from checkpoint %d", self.workdir, step)
-        return self._params
+            self._model, target = abstract_params(self.config, self._mesh, name)
+            try:
+                got = checkpoint.restore_params_subtree(mgr, step, name, target)
+            except (KeyError, ValueError, FileNotFoundError) as e:
+                raise ValueError(
+                    f"{self.workdir}: checkpoint {step} holds no {name} ({type(e).__name__}: "
+                    f"{str(e)[:200]})"
+                ) from None
+            self._params[name] = sharding.to_host(got)
+            log.info("%s: %s from checkpoint %d", self.workdir, name, step)
+        return self._params[name]
 
     def _manager(self):
         from realm_jax import checkpoint
@@ -197,7 +199,7 @@ class Model:
 
         from realm_jax.index.embedding import embed_query_tokens
 
-        self._networks()
+        self._network("query_embedder")
         return jax.jit(functools.partial(embed_query_tokens, self._model))
 
     @functools.cached_property
@@ -206,7 +208,7 @@ class Model:
 
         from realm_jax.index.embedding import embed_block_tokens
 
-        self._networks()
+        self._network("query_embedder")
         return jax.jit(functools.partial(embed_block_tokens, self._model))
 
     def embed_queries(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
@@ -215,7 +217,7 @@ class Model:
         from realm_jax.tokenization import encode_query
 
         texts = [texts] if isinstance(texts, str) else list(texts)
-        net = {"query_embedder": self._networks()["query_embedder"]}
+        net = {"query_embedder": self._network("query_embedder")}
         n = self.config.data.query_len
         out = []
         for i in range(0, len(texts), batch_size):
@@ -237,7 +239,7 @@ class Model:
         if len(titles) != len(texts):
             raise ValueError(f"{len(titles)} titles for {len(texts)} texts")
         name = doc_embedder_name(ModelConfig.from_config(self.config.model, "embedder"))
-        net = {name: self._networks()[name]}
+        net = {name: self._network(name)}
         n = self.config.data.block_len
         out = []
         for i in range(0, len(texts), batch_size):

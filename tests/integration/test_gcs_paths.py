@@ -149,6 +149,19 @@ def test_evaluate_reads_a_gcs_workdir_and_questions_and_writes_there(
     args = _eval_args(work, questions=qfile, predictions=out + ".predictions.jsonl")
     assert qa_commands.evaluate(config, args) == 0
     assert f"accuracy {metrics['exact_match']:.4f}" in capsys.readouterr().out
+
+    # the Python API on the same gs:// workdir: its answers are evaluate's predictions
+    import realm_jax
+
+    over = [*QA_OVERRIDES, f"data.data_dir={ROOT}/qa/data", f"qa.dev_file={qfile}"]
+    model = realm_jax.load(work, config=f"{ORQA}:smoke", overrides=over)
+    got = model.answer([p["question"] for p in preds[:4]])
+    assert [a.text for a in got] == [p["prediction"] for p in preds[:4]]
+    assert [[h.block_id for h in a.evidence] for a in got] == [
+        [b["id"] for b in p["top_blocks"]] for p in preds[:4]
+    ]
+    hits = model.retrieve(preds[0]["question"], k=len(preds[0]["top_blocks"]))
+    assert [h.block_id for h in hits] == [b["id"] for b in preds[0]["top_blocks"]]
     assert os.listdir(tmp_path) == []
 
 
