@@ -93,6 +93,8 @@ def load(
 
     if not fs.isdir(workdir):
         raise FileNotFoundError(f"{workdir}: no such workdir")
+    if is_export(workdir):
+        return _load_export(workdir, config, list(overrides))
     ran_in = ""
     if config is None:
         config, recorded, ran_in = _run_config(workdir)
@@ -104,6 +106,47 @@ def load(
             cfg.data.data_dir = os.path.join(ran_in, d)
     validate(cfg)
     return Model(cfg, workdir, checkpoint)
+
+
+EXPORT_PARTS = ("openqa", "embedder", "scorer", "reader", "encoder", "doc_embedder")
+
+
+def is_export(path: str) -> bool:
+    """Whether `path` is an `export`ed folder (HF REALM folders), not a workdir."""
+    return not fs.isdir(fs.join(path, "checkpoints")) and any(
+        fs.isfile(fs.join(path, part, "config.json")) for part in EXPORT_PARTS
+    )
+
+
+def _load_export(path: str, config: str | None, overrides: list[str]) -> Model:
+    """An exported folder, imported (`realm-jax import`) into a temporary workdir: its
+    networks as checkpoint 0, openqa/'s block_emb as the index. The config it was exported
+    with must be given, and its data.data_dir must hold the corpus prepared as the index's
+    blocks (row i = block i), as for `import`."""
+    import argparse
+    import tempfile
+
+    from realm_jax.config import load_config, validate
+    from realm_jax.interop import commands as interop
+
+    if config is None:
+        raise ValueError(
+            f"{path} is an exported folder, which records no config: pass config= (the one it "
+            "was exported with) and overrides=['data.data_dir=<the prepared corpus>']"
+        )
+    cfg = load_config(config, overrides)
+    validate(cfg)
+    if fs.isfile(fs.join(path, "openqa", "config.json")):
+        sources = [fs.join(path, "openqa")]
+    else:
+        sources = [fs.join(path, p) for p in ("embedder", "reader") if fs.isdir(fs.join(path, p))]
+    work = tempfile.mkdtemp(prefix="realm-jax-export-")
+    if not cfg.data.data_dir:
+        raise ValueError("give overrides=['data.data_dir=...']: the corpus of the index's blocks")
+    args = argparse.Namespace(workdir=work, source=sources, block_emb="")
+    interop.import_command(cfg, args)
+    log.info("%s: imported into %s", path, work)
+    return Model(cfg, work, "latest")
 
 
 class Model:

@@ -30,6 +30,7 @@ into a temporary folder and renamed into place.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -236,6 +237,11 @@ def check_index(config, workdir: str, emb: np.ndarray, where: str, sources, nets
             f"--workdir {workdir} --config.data.corpus=.../blocks.tfr (row i = block i)"
         )
     corpus, count = summary.get("corpus", ""), summary["counts"]["blocks"]
+    exported = [_export_index_record(s.path) for s in sources]
+    if any(r and r.get("data_fingerprint") == summary.get("fingerprint") for r in exported):
+        if count != len(emb):  # (a fingerprint match implies it; checked all the same)
+            raise WeightImportError(f"{where}: {len(emb)} rows for {count} prepared blocks")
+        return f"row i = block i of {ddir} (the export's data fingerprint matches)"
     if not block_records.is_release_corpus(corpus):
         raise WeightImportError(
             f"{ddir} was prepared from {corpus}, not the release's block records "
@@ -456,6 +462,12 @@ def export_command(config, args) -> int:
             hf_export.write_folder(os.path.join(tmp, name), cfg, tensors, vocab)
         if records is not None:  # HF's RealmRetriever.from_pretrained(openqa/) reads it
             np.save(os.path.join(tmp, "openqa", BLOCK_RECORDS), records, allow_pickle=True)
+            from realm_jax.data import datasets
+
+            summary = datasets.read_summary(paths.data_dir(config, workdir))
+            record = {"data_fingerprint": summary["fingerprint"], "num_blocks": len(records)}
+            with open(os.path.join(tmp, "openqa", EXPORT_INDEX), "w") as f:
+                json.dump(record, f)
         _open_permissions(tmp)  # mkdtemp and safetensors make owner-only files
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
@@ -479,6 +491,20 @@ def export_command(config, args) -> int:
 
 
 BLOCK_RECORDS = "block_records.npy"
+# beside an export's block_emb: which prepared data its rows are the blocks of, so that
+# `import` (and realm_jax.load) of the export accepts that data dir and no other
+EXPORT_INDEX = "realm_jax_index.json"
+
+
+def _export_index_record(folder: str) -> dict | None:
+    path = fs.join(folder, EXPORT_INDEX)
+    if not fs.isfile(path):
+        return None
+    try:
+        got = json.loads(fs.read_text(path))
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def _block_records(config, workdir: str, block_emb) -> np.ndarray | None:

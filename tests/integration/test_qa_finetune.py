@@ -298,3 +298,10 @@ def _python_api(root, ddir, work):
     records = load_npy_strings(os.path.join(out, "openqa", "block_records.npy"))
     assert len(records) == len(src) == emb.shape[0]
     assert [bytes(r) for r in records] == [bytes(src[i]["text"]) for i in range(len(src))]
+
+    # the exported folder loads too (imported into a temporary workdir): the same answers
+    exported = realm_jax.load(out, config="configs/orqa.py:smoke", overrides=over)
+    for a, b in zip(exported.answer(q), model.answer(q), strict=True):
+        assert a.text == b.text and [h.block_id for h in a.evidence] == [
+            h.block_id for h in b.evidence
+        ]
