@@ -93,6 +93,19 @@ def _wait(runs: dict[str, list[subprocess.Popen]], logs: dict[str, str]) -> dict
     return {name: open(f"{logs[name]}.0").read() for name in runs}
 
 
+def _exit_codes(procs: list[subprocess.Popen]) -> tuple[list[int], float]:
+    """(every process's exit code, seconds until the last one ended); any left is killed."""
+    import time
+
+    t0 = time.time()
+    try:
+        return [p.wait(timeout=400) for p in procs], time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def _losses(workdir: str, skip=()) -> dict[int, float]:
     """step -> loss from the TensorBoard event files of `workdir` (float32, as logged), but
     the files named in `skip` (an earlier run's)."""
@@ -194,7 +207,6 @@ def test_a_hung_process_ends_both_and_the_relaunch_resumes(data_dir, tmp_path):
     coordination service never ends the job. Both processes exit within the watchdog's bound
     (5 s) plus a margin, each log naming the stall with every thread's stack; the relaunch
     resumes from checkpoint 4 onto the uninterrupted run's losses."""
-    import time
 
     steps = ["train.steps=8", "refresh.every=4", "train.checkpoint_every=2"]
     bound = ["train.stall_timeout_s=5", *steps]
@@ -206,14 +218,7 @@ def test_a_hung_process_ends_both_and_the_relaunch_resumes(data_dir, tmp_path):
 
     log = str(tmp_path / "hung.log")
     procs = _start(hung, 2, data_dir, log, bound, env_of={1: {"REALM_JAX_TEST_HANG": "step:5"}})
-    try:
-        t0 = time.time()
-        codes = [p.wait(timeout=400) for p in procs]
-        took = time.time() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes, took = _exit_codes(procs)
     texts = [open(f"{log}.{i}").read() for i in range(2)]
     hook = [t for t in texts[1].splitlines() if "test-only fault hook" in t]
     assert hook, texts[1][-3000:]
@@ -276,9 +281,7 @@ def test_a_store_that_stops_answering_one_process_ends_both(data_dir, tmp_path):
                 ).read()[-3000:]
                 time.sleep(0.2)
             proxy.pause()
-            t0 = time.time()
-            codes = [p.wait(timeout=400) for p in procs]
-            took = time.time() - t0
+            codes, took = _exit_codes(procs)
         finally:
             for p in procs:
                 if p.poll() is None:
