@@ -71,8 +71,11 @@ def run(cmd: list[str], log: str) -> dict:
 
 
 def metrics(root: str, retriever: str) -> dict:
-    path = os.path.join(root, "qa", "eval", f"qa.{retriever}.metrics.json")
-    return json.load(open(path)) if os.path.exists(path) else {}
+    """evaluate's metrics file for `retriever` (its default prefix: <questions stem>.<name>)."""
+    import glob
+
+    found = sorted(glob.glob(os.path.join(root, "qa", "eval", f"*.{retriever}.metrics.json")))
+    return json.load(open(found[0])) if found else {}
 
 
 def write(root: str, done: dict, argv: list[str]) -> None:
