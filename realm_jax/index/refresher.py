@@ -185,8 +185,10 @@ class Refresher:
         wd: the refresh job's progress watchdog (watchdog.py), beaten every poll; a
         refresh (embedding the corpus) is a slow stage, bounded by train.first_step_timeout_s."""
         stop = stop or threading.Event()
+
         def beat(name: str, slow: bool = False):
             return wd.stage(name, slow=slow) if wd is not None else contextlib.nullcontext()
+
         mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
         versions = store.list_versions(self.dir)
         last = versions[-1] if versions else -1
