@@ -4,6 +4,7 @@ a study in experiments/ passes its own README as `doc`."""
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
 import platform
 import re
@@ -24,6 +25,13 @@ def machine() -> str:
 def write_section(name: str, body: str, doc: str = DOC) -> None:
     """Replace (or append) the section `## name` in docs/benchmarks.md (or `doc`)."""
     os.makedirs(os.path.dirname(doc), exist_ok=True)
+    # two studies finishing at once (each reads, edits and writes the doc) must not lose a section
+    with open(f"{doc}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _write_section(name, body, doc)
+
+
+def _write_section(name: str, body: str, doc: str) -> None:
     if os.path.exists(doc):
         text = open(doc).read()
     else:

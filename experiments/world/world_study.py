@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -62,12 +63,24 @@ ARMS = {
         "--config.train.own_block_steps=200",
         "--config.train.embedders_frozen_steps=200",
     ],
+    # ... and with the embedders at the reader's learning rate (the release's): with a reader
+    # that copies, REALM's pull on the own document is signal, not only noise
+    "bm25_copy_lr": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.own_block_steps=200",
+        "--config.train.embedders_frozen_steps=200",
+        "--config.train.embedder_lr_scale=1",
+    ],
     # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
     # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many
     # steps as REALM trains them, then scored as every arm is (a REALM run of one step with
     # the embedders frozen: its step-0 evaluation is the imitation's retriever)
     "imitation": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
+    # the same with 5x the steps (IMITATION_LONG): whether this retriever can learn the world's
+    # retrieval at all when told the right document every step
+    "imitation_long": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
 }
+IMITATION_LONG = 5
 IMITATION_ICT = ["--config.ict.positives=bm25"]
 KEYS = (
     ("title_recall@1", "recall@1"),
@@ -197,10 +210,12 @@ def qa(root: str, paths: list[str], arms: list[str], rerun: bool) -> str:
     return "\n".join([head, "|" + "---|" * 7, *rows])
 
 
-def imitation(root: str, ict: str, paths: list[str], steps: int, rerun: bool) -> str:
+def imitation(
+    root: str, ict: str, paths: list[str], steps: int, rerun: bool, arm: str = "imitation"
+) -> str:
     """The BM25-imitation control's embedders: `steps` of ICT's loss on (masked sentence,
-    BM25's top block) pairs from the ICT start; returns its workdir."""
-    wd = os.path.join(root, "imitation-ict")
+    BM25's top block) pairs from the ICT start; returns its workdir (`<arm>-ict`)."""
+    wd = os.path.join(root, f"{arm}-ict")
     if rerun or not done(wd):
         if os.path.exists(wd):
             subprocess.run(["rm", "-rf", wd], check=True)
@@ -208,6 +223,67 @@ def imitation(root: str, ict: str, paths: list[str], steps: int, rerun: bool) ->
         args = ["ict", "--config", ICT, "--workdir", wd, *paths, *IMITATION_ICT, *extra]
         run(args, f"{wd}.log")
     return wd
+
+
+def section_rows(text: str, title: str) -> dict[tuple[str, int], dict[str, float]]:
+    """The arms' table of the README section `## title`: (arm, step) -> {column: value};
+    {} when the section is absent."""
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    if not m:
+        return {}
+    lines = [x for x in m.group(1).splitlines() if x.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[(cells[0], int(cells[1]))] = {k: float(v) for k, v in zip(head[2:], cells[2:])}
+    return rows
+
+
+def seed_title(arms: str, seed: int, kind: tuple[str, ...] = ()) -> str:
+    """The section title a run of `arms` with `seed` writes (as main does)."""
+    kind = (*kind, f"seed {seed}") if seed else kind
+    return f"Arms: {arms}" + (f" ({', '.join(kind)} world)" if kind else "")
+
+
+def seeds_summary(text: str, arms: str, seeds: list[int], kind: tuple[str, ...] = ()) -> str:
+    """Mean and range over `seeds` of each arm's row at each step its sections share, read from
+    the per-seed sections of the README `text`; then, per seed, whether the first arm's last
+    recall@5 is above each other arm's. Raises naming a seed whose section is missing."""
+    per_seed = {}
+    for seed in seeds:
+        rows = section_rows(text, seed_title(arms, seed, kind))
+        if not rows:
+            raise SystemExit(f"no section {seed_title(arms, seed, kind)!r} in {RESULTS}: run it")
+        per_seed[seed] = rows
+    keys = sorted(set.intersection(*(set(r) for r in per_seed.values())))
+    order = {a: i for i, a in enumerate(arms.split(","))}
+    keys.sort(key=lambda k: (order.get(k[0], 99), k[1]))
+    cols = [n for _, n in KEYS]
+    lines = [
+        "| arm | step | " + " | ".join(cols) + " |",
+        "|" + "---|" * (len(cols) + 2),
+    ]
+    for key in keys:
+        cells = []
+        for c in cols:
+            v = [per_seed[s][key][c] for s in seeds]
+            cells.append(f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    first, *others = arms.split(",")
+    last = max(step for arm, step in keys if arm == first)
+    for other in others:
+        o_last = max((step for arm, step in keys if arm == other), default=None)
+        if o_last is None:
+            continue
+        wins = sum(
+            per_seed[s][(first, last)]["recall@5"] > per_seed[s][(other, o_last)]["recall@5"]
+            for s in seeds
+        )
+        lines.append(
+            f"\n{first} above {other} in recall@5 at its last step: {wins} of {len(seeds)} seeds."
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -239,8 +315,32 @@ def main(argv=None) -> int:
         action="store_true",
         help=f"then fine-tune ({QA_CONFIG}) from ICT alone and from each arm; score QA",
     )
+    p.add_argument(
+        "--summarise_seeds",
+        default="",
+        help="a comma list of seeds already run (e.g. 0,1,2): write the mean and range of "
+        "their README sections for --arms (and --mention/--names) as one section; runs nothing",
+    )
     a = p.parse_args(argv)
     arms = chosen_arms(p, a.arms, ARMS)
+    kinds = (a.mention != "name" and a.mention, a.names != "words" and a.names)
+    kind = tuple(x for x in kinds if x)
+    if a.summarise_seeds:
+        seeds = [int(x) for x in a.summarise_seeds.split(",")]
+        table = seeds_summary(open(RESULTS).read(), a.arms, seeds, kind)
+        flag = "".join(f" --{k} {v}" for k, v in (("mention", a.mention), ("names", a.names)))
+        flag = flag.replace(" --mention name", "").replace(" --names words", "")
+        body = (
+            f"Seeds {a.summarise_seeds}: the mean [min, max] over the sections above, each from "
+            f"`python experiments/world/world_study.py --root <root> --arms {a.arms}{flag} "
+            f"--seed <seed>` (a seed draws its own world, data order and initialisation; seed 0 "
+            f"is the default). Written by `world_study.py --arms {a.arms}{flag} "
+            f"--summarise_seeds {a.summarise_seeds}`.\n\n" + table
+        )
+        suffix = f" ({', '.join(kind)} world)" if kind else ""
+        write_section(f"Seeds {a.summarise_seeds}: {a.arms}{suffix}", body, doc=RESULTS)
+        print(table)
+        return 0
     root = os.path.join(REPO, a.root) if not os.path.isabs(a.root) else a.root
     os.makedirs(root, exist_ok=True)
     world, data, ict = (os.path.join(root, n) for n in ("world", "data", "ict"))
@@ -272,13 +372,16 @@ def main(argv=None) -> int:
             start = ict
             if arm == "imitation":
                 start = imitation(root, ict, paths, tc.steps - frozen, a.rerun)
+            elif arm == "imitation_long":
+                steps = IMITATION_LONG * (tc.steps - frozen)
+                start = imitation(root, ict, paths, steps, a.rerun, arm)
             extra = [f"--config.model.init_embedders_from_ict={start}", *ARMS[arm]]
             run(["train", "--config", REALM, "--workdir", wd, *paths, *extra], f"{wd}.log")
         runs[arm] = history(wd)
     last = max(max(h["title_recall@5"]) for h in runs.values())
     rows = []
     for arm, h in runs.items():
-        for step in [0] if arm == "imitation" else sorted({curriculum, frozen, last}):
+        for step in [0] if arm.startswith("imitation") else sorted({curriculum, frozen, last}):
             cells = [f"{h[k].get(step, float('nan')):.3f}" for k, _ in KEYS]
             rows.append(f"| {arm} | {step} | " + " | ".join(cells) + " |")
     head = "| arm | step | " + " | ".join(n for _, n in KEYS) + " |"
@@ -294,11 +397,8 @@ def main(argv=None) -> int:
         "retriever's recall there is its ICT start; the frozen arm's embedders never train)."
         "\n\n" + table
     )
-    kind = [x for x in (a.mention != "name" and a.mention, a.names != "words" and a.names) if x]
-    kind += [f"seed {a.seed}"] if a.seed else []
-    title = f"Arms: {a.arms}" + (f" ({', '.join(kind)} world)" if kind else "")
-    write_section(title, body, doc=RESULTS)
-    if not a.no_plot and not kind and "realm" in runs:
+    write_section(seed_title(a.arms, a.seed, kind), body, doc=RESULTS)
+    if not a.no_plot and not kind and not a.seed and "realm" in runs:
         plot(runs, curriculum, PLOT, frozen)
     print(table)
     if a.qa:

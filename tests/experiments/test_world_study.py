@@ -63,3 +63,51 @@ def test_own_document_recall_counts_the_questions_own_title_in_the_top_k(tmp_pat
     got = W.own_document_recall(str(preds), str(qa))
     # A: top 1 and top 5; B: 5th
     assert got == {"own_recall@1": 0.5, "own_recall@5": 1.0}
+
+
+def _section(title, rows):
+    head = "| arm | step | " + " | ".join(n for _, n in W.KEYS) + " |"
+    body = [
+        f"| {arm} | {step} | " + " | ".join(f"{v:.3f}" for v in vals) + " |"
+        for arm, step, vals in rows
+    ]
+    return f"## {title}\n\n_Measured now._\n\ntext\n\n{head}\n|---|\n" + "\n".join(body) + "\n\n"
+
+
+def test_seeds_summary_is_the_mean_and_range_of_each_seeds_section():
+    text = (
+        "# World\n\n"
+        + _section(
+            "Arms: realm,frozen",
+            [
+                ("realm", 400, [0.3, 0.5, 0.3, 0.02, 0.02]),
+                ("frozen", 400, [0.1, 0.4, 0.1, 0.02, 0.04]),
+            ],
+        )
+        + _section(
+            "Arms: realm,frozen (seed 1 world)",
+            [
+                ("realm", 400, [0.1, 0.3, 0.2, 0.01, 0.02]),
+                ("frozen", 400, [0.1, 0.35, 0.1, 0.02, 0.04]),
+            ],
+        )
+        + _section(
+            "Arms: realm,frozen (attributes, seed 1 world)",
+            [("realm", 400, [0.9] * 5), ("frozen", 400, [0.9] * 5)],
+        )
+    )
+    table = W.seeds_summary(text, "realm,frozen", [0, 1])
+    realm = next(x for x in table.splitlines() if x.startswith("| realm | 400 |"))
+    assert "0.200 [0.100, 0.300]" in realm  # recall@1: (0.3 + 0.1) / 2
+    assert "0.400 [0.300, 0.500]" in realm  # recall@5
+    frozen = next(x for x in table.splitlines() if x.startswith("| frozen | 400 |"))
+    assert "0.375 [0.350, 0.400]" in frozen
+    # seed 0: 0.5 > 0.4; seed 1: 0.3 < 0.35
+    assert "realm above frozen in recall@5 at its last step: 1 of 2 seeds." in table
+    # another world's section with the same arms is not read
+    assert (
+        W.seed_title("realm,frozen", 1, ("attributes",))
+        == "Arms: realm,frozen (attributes, seed 1 world)"
+    )
+    with pytest.raises(SystemExit, match="seed 2 world"):
+        W.seeds_summary(text, "realm,frozen", [0, 2])

@@ -104,7 +104,8 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     # A hang (issue 48): the main thread blocks in its data loader after step 7 (the test-only
     # fault hook: a loader that never returns) while every other thread runs on; the watchdog
     # exits 75 within its bound naming the data stage, with every thread's stack in the log,
-    # and the relaunch resumes onto the uninterrupted run's losses.
+    # and leaves its step-4 checkpoint for the relaunch (which resumes as the SIGKILLed run
+    # above does; the relaunch's losses are compared in the system tier's 2-process drill).
     hung = str(tmp_path / "hung")
     bound = ["--config.train.stall_timeout_s=4", "--config.train.checkpoint_every=4"]
     t0 = time.time()
@@ -120,17 +121,7 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     assert "Current thread" in log or "Thread 0x" in log  # faulthandler's stacks
     assert "in stage" in log and "watchdog.py" in log  # the blocked main thread, where it waits
     assert time.time() - t0 < 300
-    before = set(os.listdir(paths.tb_dir(hung)))
-    proc = _train_cli(hung, data_dir, str(tmp_path / "hung-resumed.log"), *bound)
-    assert proc.wait() == 0, (tmp_path / "hung-resumed.log").read_text()[-3000:]
-    log = (tmp_path / "hung-resumed.log").read_text()
-    assert int(re.search(r"resumed from checkpoint (\d+)", log).group(1)) == 4
-    resumed = _event_losses(
-        hung, sorted(set(os.listdir(paths.tb_dir(hung))) - before), tmp_path / "h"
-    )
-    assert sorted(resumed) == list(range(5, 25))
-    for step, loss in resumed.items():
-        np.testing.assert_allclose(loss, full_losses[step], rtol=1e-5, err_msg=f"step {step}")
+    assert sorted(int(s) for s in os.listdir(paths.checkpoint_dir(hung)) if s.isdigit()) == [4]
 
 
 @pytest.mark.system  # two CLI runs: CI keeps the SIGKILL resume and the feed's swap
