@@ -283,6 +283,12 @@ def seeds_summary(text: str, arms: str, seeds: list[int], kind: tuple[str, ...] 
         lines.append(
             f"\n{first} above {other} in recall@5 at its last step: {wins} of {len(seeds)} seeds."
         )
+        for col in ("recall@1", "recall@5"):
+            d = [per_seed[s][(first, last)][col] - per_seed[s][(other, o_last)][col] for s in seeds]
+            lines.append(
+                f"{first} - {other}, {col}: {100 * sum(d) / len(d):+.1f} points "
+                f"[{100 * min(d):+.1f}, {100 * max(d):+.1f}]."
+            )
     return "\n".join(lines)
 
 

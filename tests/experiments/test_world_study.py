@@ -104,6 +104,8 @@ def test_seeds_summary_is_the_mean_and_range_of_each_seeds_section():
     assert "0.375 [0.350, 0.400]" in frozen
     # seed 0: 0.5 > 0.4; seed 1: 0.3 < 0.35
     assert "realm above frozen in recall@5 at its last step: 1 of 2 seeds." in table
+    # recall@5 differences: +10 and -5 points
+    assert "realm - frozen, recall@5: +2.5 points [-5.0, +10.0]." in table
     # another world's section with the same arms is not read
     assert (
         W.seed_title("realm,frozen", 1, ("attributes",))
