@@ -121,7 +121,8 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(data_dir, tmp_path):
     assert "Current thread" in log or "Thread 0x" in log  # faulthandler's stacks
     assert "in stage" in log and "watchdog.py" in log  # the blocked main thread, where it waits
     assert time.time() - t0 < 300
-    assert sorted(int(s) for s in os.listdir(paths.checkpoint_dir(hung)) if s.isdigit()) == [4]
+    kept = [int(s) for s in os.listdir(paths.checkpoint_dir(hung)) if s.isdigit()]
+    assert max(kept) == 4, kept  # the relaunch resumes from step 4 (the steps after it: lost)
 
 
 @pytest.mark.system  # two CLI runs: CI keeps the SIGKILL resume and the feed's swap
