@@ -13,6 +13,12 @@ recipe's: the index never refreshed in the run). Then the table (title_recall@1 
 the masked fact's own document, accuracy, null-only accuracy, top1_share) at the end of the
 copying curriculum and at the last step, and the plot of recall and accuracy against steps.
 
+Arms for issue 46 (BM25's candidates): bm25, bm25_lr, bm25_copy, bm25_copy_lr, and the
+BM25-imitation controls imitation and imitation_long (5x its steps); see ARMS.
+
+--seed N: another world, data order and initialisation (its own README section);
+--summarise_seeds 0,1,2 then writes their mean and range for --arms, running nothing.
+
 --mention attributes: the world whose sentences name their person only by other attributes
 (world.mention), with its own section in the README and no plot.
 
@@ -249,7 +255,8 @@ def seed_title(arms: str, seed: int, kind: tuple[str, ...] = ()) -> str:
 def seeds_summary(text: str, arms: str, seeds: list[int], kind: tuple[str, ...] = ()) -> str:
     """Mean and range over `seeds` of each arm's row at each step its sections share, read from
     the per-seed sections of the README `text`; then, per seed, whether the first arm's last
-    recall@5 is above each other arm's. Raises naming a seed whose section is missing."""
+    recall@5 is above each other arm's, and the mean and range of the first arm's last recall@1
+    and @5 minus each other's. Raises naming a seed whose section is missing."""
     per_seed = {}
     for seed in seeds:
         rows = section_rows(text, seed_title(arms, seed, kind))
@@ -332,7 +339,12 @@ def main(argv=None) -> int:
     kinds = (a.mention != "name" and a.mention, a.names != "words" and a.names)
     kind = tuple(x for x in kinds if x)
     if a.summarise_seeds:
-        seeds = [int(x) for x in a.summarise_seeds.split(",")]
+        try:
+            seeds = [int(x) for x in a.summarise_seeds.split(",")]
+        except ValueError:
+            p.error(
+                f"--summarise_seeds {a.summarise_seeds!r}: a comma list of integers, e.g. 0,1,2"
+            )
         table = seeds_summary(open(RESULTS).read(), a.arms, seeds, kind)
         flag = "".join(f" --{k} {v}" for k, v in (("mention", a.mention), ("names", a.names)))
         flag = flag.replace(" --mention name", "").replace(" --names words", "")

@@ -113,3 +113,9 @@ def test_seeds_summary_is_the_mean_and_range_of_each_seeds_section():
     )
     with pytest.raises(SystemExit, match="seed 2 world"):
         W.seeds_summary(text, "realm,frozen", [0, 2])
+
+
+def test_summarise_seeds_refuses_a_non_integer(capsys):
+    with pytest.raises(SystemExit):
+        W.main(["--summarise_seeds", "0,one", "--root", "/nonexistent"])
+    assert "a comma list of integers" in capsys.readouterr().err
