@@ -94,6 +94,7 @@ SHARED_TRAIN_FIELDS = (
     "train.null_doc",  # REALM's null document: ICT and fine-tuning have none
     "train.bm25_candidates",  # REALM's second retriever: ICT and fine-tuning do not read it
     "train.article_block_steps",  # REALM's curriculum: ICT and fine-tuning have none
+    "train.inbatch_negatives",  # REALM's prior over the batch: ICT has its own in-batch loss
 )
 
 

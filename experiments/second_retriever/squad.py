@@ -15,6 +15,8 @@ checkpoint:
   bm25_article  the bm25 arm with a copying curriculum for its first COPY steps: each
              sentence also reads a block of its own article holding the masked span
              (train.article_block_steps), as the world's curriculum reads the fact's document
+  bm25_inbatch  the bm25 arm with in-batch negatives for REALM's retriever part
+             (train.inbatch_negatives) and the embedders at the reader's LR
   imitation  the BM25-imitation control: the ICT embedders trained contrastively on
              (masked sentence, BM25's top block) pairs (`ict --config.ict.positives=bm25`) for
              as many steps as the bm25 arm trains its embedders; no reader
@@ -66,6 +68,16 @@ ARMS = {
         f"--config.train.article_block_steps={COPY}",
         f"--config.train.embedders_frozen_steps={READ}",
         "--config.train.embedders_warmup_steps=20",
+    ],
+    # ... and in-batch negatives for REALM's retriever part (train.inbatch_negatives: each
+    # prior normalised over the batch's other candidates too), the embedders at the reader's
+    # LR (the release's single rate; the imitation control trains them at ICT's full LR)
+    "bm25_inbatch": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        f"--config.train.embedders_frozen_steps={READ}",
+        "--config.train.embedders_warmup_steps=20",
+        "--config.train.embedder_lr_scale=1",
+        "--config.train.inbatch_negatives=True",
     ],
     "imitation": [f"--config.train.steps={STEPS - READ}", "--config.ict.positives=bm25"],
 }

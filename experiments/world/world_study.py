@@ -13,7 +13,8 @@ recipe's: the index never refreshed in the run). Then the table (title_recall@1 
 the masked fact's own document, accuracy, null-only accuracy, top1_share) at the end of the
 copying curriculum and at the last step, and the plot of recall and accuracy against steps.
 
-Arms for issue 46 (BM25's candidates): bm25, bm25_lr, bm25_copy, bm25_copy_lr, and the
+Arms for issue 46 (BM25's candidates): bm25, bm25_lr, bm25_copy, bm25_copy_lr,
+bm25_copy_inbatch (in-batch negatives for REALM's retriever part), and the
 BM25-imitation controls imitation and imitation_long (5x its steps); see ARMS.
 
 --seed N: another world, data order and initialisation (its own README section);
@@ -76,6 +77,16 @@ ARMS = {
         "--config.train.own_block_steps=200",
         "--config.train.embedders_frozen_steps=200",
         "--config.train.embedder_lr_scale=1",
+    ],
+    # ... and with in-batch negatives for REALM's retriever part (train.inbatch_negatives: the
+    # prior normalised over the batch's other candidates too, the reader reading its own): the
+    # own document ranked against the other sentences' BM25 blocks, as imitation ranks it
+    "bm25_copy_inbatch": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.own_block_steps=200",
+        "--config.train.embedders_frozen_steps=200",
+        "--config.train.embedder_lr_scale=1",
+        "--config.train.inbatch_negatives=True",
     ],
     # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
     # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many

@@ -178,6 +178,7 @@ CONSOLE_KEYS = (
     "doc_in_candidates_dense",
     "signal_span",
     "signal_doc",
+    "inbatch_outside_mass",
     "staleness",
 )
 

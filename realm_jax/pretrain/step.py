@@ -64,7 +64,17 @@ def create_state(config, mesh: Mesh, rng, params_hook=None):
     return model, optimizer, state, shardings
 
 
-def retrieve(
+def retrieve(params, batch, index_emb, index_tokens, **kw):
+    """Embed queries, search the index, re-embed the hits with live params: `retrieve_embedded`
+    without the candidates' embeddings, (q_emb [B, D], relevance [B, K], candidate tokens
+    [B, K, Lb], retrieved ids [B, K-1])."""
+    q_emb, _, relevance, cands, ids = retrieve_embedded(
+        params, batch, index_emb, index_tokens, **kw
+    )
+    return q_emb, relevance, cands, ids
+
+
+def retrieve_embedded(
     params,
     batch,
     index_emb,
@@ -92,8 +102,9 @@ def retrieve(
     lowest-scored retrieved one when the search did not find it (train.own_block_steps'
     copying curriculum for a separate text: the sentence's document's block; realm_loss).
 
-    Returns (q_emb [B, D], relevance [B, K], candidate tokens [B, K, Lb], retrieved ids
-    [B, K-1], -1 for an empty slot). Candidate 0 is the null document, as in the release
+    Returns (q_emb [B, D], the retrieved candidates' live embeddings [B, K-1, D], relevance
+    [B, K], candidate tokens [B, K, Lb], retrieved ids [B, K-1], -1 for an empty slot).
+    Candidate 0 is the null document, as in the release
     (example_generator.py prepends an empty Document; model.py scores every candidate with
     one einsum): the empty block `[CLS] [SEP] [SEP]` embedded by the live document embedder,
     so its score and gradient are those of any candidate. (A constant score of 0 took all the
@@ -132,6 +143,7 @@ def retrieve(
         null_block_tokens(B, len(NULL_BLOCK)),
         None if rng is None else jax.random.fold_in(rng, 4),
     )  # [B, D]
+    hits = d_emb  # [B, K-1, D]
     d_emb = jnp.concatenate([null_emb[:, None], d_emb], axis=1)  # [B, K, D]
     relevance = jnp.einsum("bd,bkd->bk", q_emb, d_emb)
     valid = ids >= 0  # [B, K-1]: a joined candidate that repeats another (or none) is out
@@ -141,7 +153,46 @@ def retrieve(
         null = jax.nn.logsumexp(rest, axis=1) - jnp.log(valid.sum(1).astype(rest.dtype))
         relevance = relevance.at[:, 0].set(jax.lax.stop_gradient(null))
     cands = jnp.concatenate([null_block_tokens(B, Lb)[:, None].astype(tokens.dtype), tokens], 1)
-    return q_emb, relevance, cands, ids
+    return q_emb, hits, relevance, cands, ids
+
+
+def inbatch_scores(q_emb, hits, ids, own_block):
+    """The scores of query b against the other queries' retrieved candidates (train.
+    inbatch_negatives): [B, B * (K-1)], ABSENT where a column is not one of b's in-batch
+    negatives. q_emb [B, D], hits [B, K-1, D] (live embeddings), ids [B, K-1] (-1: an empty
+    slot), own_block [B] (the masked sentence's own block, -1 none: the trivial-retrieval
+    exclusion holds here too). A column counts for query b when its block is none of b's own
+    candidates, is not b's own block, and is the block's first place in the batch (a block
+    retrieved for many queries, a hub, counts once in a normaliser)."""
+    B, k, D = hits.shape
+    flat_ids = ids.reshape(B * k)
+    col = jnp.arange(B * k)
+    same = flat_ids[:, None] == flat_ids[None, :]  # [Bk, Bk]
+    first = ~(same & (col[None, :] < col[:, None])).any(1)  # no earlier column holds it
+    mine = (ids[:, :, None] == flat_ids[None, None, :]).any(1)  # [B, Bk]: among b's own
+    keep = first[None, :] & ~mine & (flat_ids >= 0)[None, :]
+    keep &= flat_ids[None, :] != own_block[:, None]
+    scores = q_emb @ hits.reshape(B * k, D).T  # [B, Bk]
+    return jnp.where(keep, scores, ABSENT)
+
+
+def inbatch_term(relevance, outside, weights):
+    """The in-batch negatives' part of the loss (train.inbatch_negatives) and the prior's mean
+    mass outside the own candidates. With the prior normalised over the query's own K
+    candidates and the other queries' (inbatch_scores), the reader reading only its own, REALM's
+    log-likelihood of target y_p becomes log sum_{z in own} p(z|x) p(y_p|x,z) with p over all
+    of them: the K-candidate one plus log(Z_own / Z_all) = -softplus(lse(outside) - lse(own)).
+    So the loss (a mean over the batch's real targets) gains the mean over targets of
+    softplus(lse_outside - lse_own): the other candidates' reader likelihood taken as 0, which
+    pushes every query's prior mass from the batch's other blocks (other queries' positives,
+    BM25's among them) to its own candidates, as a contrastive retriever loss does, while
+    REALM's posterior still ranks the own ones. relevance [B, K], outside [B, B(K-1)]."""
+    own = jax.nn.logsumexp(relevance.astype(jnp.float32), axis=-1)  # [B]
+    out = jax.nn.logsumexp(outside.astype(jnp.float32), axis=-1)
+    gap = jax.nn.softplus(out - own)  # [B] = -log P(own candidates | x)
+    n = weights.astype(jnp.float32).sum(-1)  # [B] targets per query
+    term = (n * gap).sum() / jnp.maximum(n.sum(), 1.0)
+    return term, jnp.mean(1.0 - jnp.exp(-gap))
 
 
 ABSENT = -1e9  # the score of a candidate slot that holds no block (its prior is 0)
@@ -238,11 +289,13 @@ def retrieve_and_read(
     rng=None,
     inject=None,
     fixed_null: bool = False,
+    inbatch: bool = False,
 ):
     """`retrieve` then `read_candidates`, with a batch's extra_ids (a second retriever's
     blocks) joined: (relevance [B, K], features [B, K, P, H], word embeddings [V, H], decoder
-    bias [V], retrieved ids [B, K-1], candidate tokens [B, K, Lb])."""
-    _, relevance, cands, ids = retrieve(
+    bias [V], retrieved ids [B, K-1], candidate tokens [B, K, Lb], and with inbatch the
+    scores against the other queries' candidates [B, B(K-1)] (inbatch_scores), else None)."""
+    q_emb, hits, relevance, cands, ids = retrieve_embedded(
         params,
         batch,
         index_emb,
@@ -259,7 +312,10 @@ def retrieve_and_read(
     features, table, bias = read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
     )
-    return relevance, features, table, bias, ids, cands
+    outside = None
+    if inbatch:
+        outside = inbatch_scores(q_emb, hits, ids, batch["block_id"].astype(ids.dtype))
+    return relevance, features, table, bias, ids, cands, outside
 
 
 def realm_loss(
@@ -276,8 +332,11 @@ def realm_loss(
     vocab_chunk: int = 0,
     rng=None,
     fixed_null: bool = False,
+    inbatch: bool = False,
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
+    inbatch (train.inbatch_negatives): the prior normalised over the other queries'
+    candidates too (inbatch_term; not in the release).
     A batch's "inject" [B] puts those blocks among the candidates (retrieve); its
     "extra_ids" [B, m] joins a second retriever's blocks to them (train.bm25_candidates);
     its "doc_block" [B] (a separate text's document's block, -1 none) is only measured:
@@ -286,7 +345,7 @@ def realm_loss(
 
     vocab_chunk: vocabulary rows per step of the fused MLM softmax (fused_marginal_loss;
     0 = the whole vocabulary at once; -1 = materialise the logits, losses.marginal_loss)."""
-    relevance, features, table, bias, ids, cands = retrieve_and_read(
+    relevance, features, table, bias, ids, cands, outside = retrieve_and_read(
         params,
         batch,
         index_emb,
@@ -299,6 +358,7 @@ def realm_loss(
         rng=rng,
         inject=batch.get("inject"),
         fixed_null=fixed_null,
+        inbatch=inbatch,
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     if "relevance_offset" in batch:  # zeros: its gradient is dLoss/dRelevance (train_step)
@@ -324,6 +384,10 @@ def realm_loss(
             lambda: curriculum_loss(marginal, relevance, ids, inject),
             plain,
         )
+    if outside is not None:  # after the offset: dLoss/dRelevance holds this term's pull too
+        term, mass = inbatch_term(relevance, outside, weights)
+        loss = loss + term
+        metrics.update(loss=loss, inbatch_term=term, inbatch_outside_mass=mass)
     gold = batch.get("doc_block")
     dense = num_candidates - 1 if "extra_ids" in batch else None
     metrics.update(coverage(cands, ids, targets, weights, gold, dense))
@@ -385,7 +449,7 @@ def curriculum_loss(marginal, relevance, ids, inject):
 
 # Metrics that marginal_metrics averages over the batch's real targets, and the one it sums;
 # any other metric is a mean over sentences.
-_PER_TARGET = ("loss", "accuracy", "retrieval_utility")
+_PER_TARGET = ("loss", "accuracy", "retrieval_utility", "inbatch_term")
 _SUMMED = ("num_targets",)
 
 
@@ -466,6 +530,7 @@ def train_step(
     grad_accum: int = 1,
     fixed_null: bool = False,
     article_block_steps: int = 0,
+    inbatch: bool = False,
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
     the masked sentence's own block is not excluded from retrieval, and a separate text's
@@ -474,7 +539,8 @@ def train_step(
     that step a sentence cut from the corpus gets a block of its article (not its own) that
     holds the masked span (the batch's article_block) among its candidates, read as the
     curriculum reads a document's block (train.article_block_steps).
-    grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass."""
+    grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass, and
+    with inbatch (train.inbatch_negatives) a micro-batch's queries are each other's negatives."""
     batch = dict(batch)
     gold = batch.pop("gold_block", None)
     article = batch.pop("article_block", None)
@@ -503,6 +569,7 @@ def train_step(
         length=length,
         vocab_chunk=vocab_chunk,
         fixed_null=fixed_null,
+        inbatch=inbatch,
     )
     if grad_accum > 1:
         grads, metrics = accumulated_grads(
@@ -543,6 +610,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         grad_accum=int(config.train.get("grad_accum", 1)),
         fixed_null=fixed_null(config),
         article_block_steps=int(config.train.get("article_block_steps", 0)),
+        inbatch=bool(config.train.get("inbatch_negatives", False)),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(

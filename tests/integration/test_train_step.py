@@ -949,6 +949,128 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
     np.testing.assert_allclose(float(joined["span_in_candidates"]), holds(all_ids)[masked].mean())
 
 
+def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(setup):
+    """train.inbatch_negatives: REALM's loss with each query's prior normalised over its own K
+    candidates and the batch's other retrieved blocks (deduplicated, none of its own
+    candidates, not its own block), the reader's likelihood of those taken as 0, against
+    numpy from materialised logits and embeddings computed apart (embed_doc of every block).
+    The batch's extra blocks put another row's own block and a block repeated across rows among
+    the candidates, so the trivial-retrieval exclusion and the deduplication both matter."""
+    from realm_jax.model.realm import RealmModel, tied_decoder_logits
+
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    length = inputs.joint_len(config)
+    own = batch["block_id"]
+    B = len(own)
+    _, _, _, plain = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(
+        state.params, sharding.global_batch(batch, mesh), *index
+    )
+    plain = np.asarray(plain)
+    pool = [i for i in range(len(emb)) if i not in plain and i not in own]
+    pairs = np.asarray([pool[b // 2] for b in range(B)])  # each block joins two rows
+    extra = np.stack([np.roll(own, -1), pairs], 1).astype(np.int32)
+    g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
+    rel, feats, table, bias, ids, cands, _ = jax.jit(
+        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length)
+    )(state.params, g, *index)
+    ids, r = np.asarray(ids), np.asarray(rel, np.float64)
+    logits = np.asarray(tied_decoder_logits(feats, table, bias), np.float64)  # [B, K, P, V]
+    logits -= logits.max(-1, keepdims=True)
+    log_py = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    tgt, w = batch["mlm_targets"], batch["mlm_weights"]
+    log_py = np.take_along_axis(log_py, tgt[:, None, :, None], -1)[..., 0]  # [B, K, P]
+    all_tok = jnp.asarray(tokens)
+    d = np.asarray(
+        model.apply(
+            {"params": state.params},
+            all_tok,
+            inputs.block_segments(all_tok),
+            (all_tok != 0).astype(jnp.int32),
+            method=RealmModel.embed_doc,
+        ),
+        np.float64,
+    )  # [N, D]
+    q = np.asarray(
+        jax.jit(functools.partial(pretrain_step.retrieve, **kw))(state.params, g, *index)[0],
+        np.float64,
+    )
+    total, n, excluded_own, mass = 0.0, 0.0, 0, []
+    for b in range(B):
+        mine = {int(i) for i in ids[b] if i >= 0}
+        others = {int(i) for c in range(B) if c != b for i in ids[c] if i >= 0} - mine
+        excluded_own += int(own[b] in others)
+        others.discard(int(own[b]))
+        s_out = np.array([q[b] @ d[i] for i in sorted(others)])
+        scores = np.concatenate([r[b], s_out])
+        log_z = np.log(np.exp(scores - scores.max()).sum()) + scores.max()
+        mass.append(np.exp(s_out - log_z).sum() if len(s_out) else 0.0)
+        for p in np.flatnonzero(w[b]):
+            lik = np.exp(r[b] - log_z + log_py[b, :, p]).sum()
+            total -= np.log(lik)
+            n += 1
+    assert excluded_own > 0  # another row's candidates held a query's own block
+    loss = jax.jit(functools.partial(pretrain_step.realm_loss, **kw, length=length, inbatch=True))
+    got, m = loss(state.params, g, *index)
+    np.testing.assert_allclose(float(got), total / n, rtol=1e-4)
+    np.testing.assert_allclose(float(m["inbatch_outside_mass"]), np.mean(mass), rtol=1e-4)
+    base, _ = jax.jit(functools.partial(pretrain_step.realm_loss, **kw, length=length))(
+        state.params, g, *index
+    )
+    np.testing.assert_allclose(float(m["inbatch_term"]), total / n - float(base), rtol=1e-4)
+
+
+def test_inbatch_negatives_in_the_compiled_step_one_pass_and_accumulated():
+    """train.inbatch_negatives through compile_train_step on the sharded mesh: one pass gives
+    realm_loss(inbatch=True)'s loss and term (checked against numpy above); with grad_accum=2
+    each micro-batch's queries (rows j, j + 2, ...) are each other's negatives: the term is
+    the target-weighted mean of the two micro-batches' own terms."""
+    off = ["model.embedder.dropout=0", "model.reader.dropout=0", "train.batch_size=16"]
+    on = [*off, "train.inbatch_negatives=True"]
+    one = tiny_config(*on)
+    mesh = sharding.make_mesh(one.mesh)
+    emb, tokens = synthetic_index(one)
+    e, t = embedding.pad_index(emb, tokens, mesh)
+    index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
+    batch = synthetic_batch(one, seed=4)
+    # the random-init retriever finds the same blocks for every query: each pair of rows gets
+    # a block of its own (a second retriever's), so each query has in-batch negatives
+    batch["extra_ids"] = (np.arange(16) // 2)[:, None].astype(np.int32)
+    model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
+    loss = jax.jit(
+        functools.partial(
+            pretrain_step.realm_loss,
+            model=model,
+            mesh=mesh,
+            num_candidates=one.train.num_candidates,
+            num_valid=len(emb),
+            length=inputs.joint_len(one),
+            inbatch=True,
+        )
+    )
+    want, m = loss(state.params, sharding.global_batch(batch, mesh), *index)
+    parts = [
+        loss(
+            state.params,
+            sharding.global_batch({k: v[j::2] for k, v in batch.items()}, mesh),
+            *index,
+        )[1]
+        for j in (0, 1)
+    ]
+    n = [float(p["num_targets"]) for p in parts]
+    term2 = sum(w * float(p["inbatch_term"]) for w, p in zip(n, parts)) / sum(n)
+    assert float(m["inbatch_term"]) > 0 and term2 > 0
+    got = {}  # each step donates its state: created afresh (the same seed) for each
+    for name, config in (("one", one), ("two", tiny_config(*on, "train.grad_accum=2"))):
+        model, opt, state, shardings = pretrain_step.create_state(config, mesh, jax.random.key(0))
+        fn = pretrain_step.compile_train_step(config, mesh, model, opt, shardings, len(emb))
+        got[name] = jax.device_get(fn(state, sharding.global_batch(batch, mesh), *index, 0)[1])
+    np.testing.assert_allclose(got["one"]["loss"], float(want), rtol=1e-5)
+    np.testing.assert_allclose(got["one"]["inbatch_term"], float(m["inbatch_term"]), rtol=1e-5)
+    np.testing.assert_allclose(got["two"]["inbatch_term"], term2, rtol=1e-5)
+
+
 def test_realm_signal_is_the_posterior_minus_prior_computed_by_hand(setup):
     """realm_signal from dLoss/dRelevance (a zero offset on the scores, differentiated with the
     parameters in train_step) against posterior - prior from materialised logits in numpy:
@@ -960,7 +1082,7 @@ def test_realm_signal_is_the_posterior_minus_prior_computed_by_hand(setup):
     kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
     length = inputs.joint_len(config)
     g = sharding.global_batch(batch, mesh)
-    rel, feats, table, bias, ids, cands = jax.jit(
+    rel, feats, table, bias, ids, cands, _ = jax.jit(
         functools.partial(pretrain_step.retrieve_and_read, **kw, length=length)
     )(state.params, g, *index)
     logits = np.asarray(tied_decoder_logits(feats, table, bias), np.float64)  # [B, K, P, V]
