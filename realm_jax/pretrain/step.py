@@ -176,23 +176,25 @@ def inbatch_scores(q_emb, hits, ids, own_block):
     return jnp.where(keep, scores, ABSENT)
 
 
-def inbatch_term(relevance, outside, weights):
-    """The in-batch negatives' part of the loss (train.inbatch_negatives) and the prior's mean
-    mass outside the own candidates. With the prior normalised over the query's own K
-    candidates and the other queries' (inbatch_scores), the reader reading only its own, REALM's
-    log-likelihood of target y_p becomes log sum_{z in own} p(z|x) p(y_p|x,z) with p over all
-    of them: the K-candidate one plus log(Z_own / Z_all) = -softplus(lse(outside) - lse(own)).
-    So the loss (a mean over the batch's real targets) gains the mean over targets of
-    softplus(lse_outside - lse_own): the other candidates' reader likelihood taken as 0, which
-    pushes every query's prior mass from the batch's other blocks (other queries' positives,
-    BM25's among them) to its own candidates, as a contrastive retriever loss does, while
-    REALM's posterior still ranks the own ones. relevance [B, K], outside [B, B(K-1)]."""
-    own = jax.nn.logsumexp(relevance.astype(jnp.float32), axis=-1)  # [B]
-    out = jax.nn.logsumexp(outside.astype(jnp.float32), axis=-1)
-    gap = jax.nn.softplus(out - own)  # [B] = -log P(own candidates | x)
-    n = weights.astype(jnp.float32).sum(-1)  # [B] targets per query
-    term = (n * gap).sum() / jnp.maximum(n.sum(), 1.0)
-    return term, jnp.mean(1.0 - jnp.exp(-gap))
+def with_outside(relevance, features, outside):
+    """REALM's candidates joined by one for the batch's other blocks (train.inbatch_negatives):
+    (relevance [B, K+1], features [B, K+1, P, H]); outside [B, B(K-1)] from inbatch_scores.
+
+    Each query's prior is normalised over its own K candidates and the other queries'
+    retrieved blocks; the reader reads only its own, and a block it does not read is taken to
+    tell it what the null document does (an unrelated block, read, is a block that does not
+    help: the release's top-k truncation leaves such blocks out of the normaliser altogether).
+    So the others share one extra candidate scored logsumexp(outside), read as the null
+    document: REALM's gradient pulls up an own candidate that predicts the masked span better
+    than the null document does, and pushes down, by their prior, every block that does not,
+    the batch's other sentences' blocks (BM25's among them) included, as a contrastive loss
+    ranks a positive against the batch. (A likelihood of 0 for the unread blocks rewarded the
+    own dense hits for being the top of the retriever's own ranking: in the attributes world
+    the prior fell onto them, the null document took the mass, REALM's pull on the own
+    document went to 0: experiments/world/README.md.)"""
+    out = jax.nn.logsumexp(outside.astype(jnp.float32), axis=-1)  # [B]
+    relevance = jnp.concatenate([relevance, out[:, None].astype(relevance.dtype)], axis=1)
+    return relevance, jnp.concatenate([features, features[:, :1]], axis=1)
 
 
 ABSENT = -1e9  # the score of a candidate slot that holds no block (its prior is 0)
@@ -336,7 +338,7 @@ def realm_loss(
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
     inbatch (train.inbatch_negatives): the prior normalised over the other queries'
-    candidates too (inbatch_term; not in the release).
+    candidates too, those read as the null document (with_outside; not in the release).
     A batch's "inject" [B] puts those blocks among the candidates (retrieve); its
     "extra_ids" [B, m] joins a second retriever's blocks to them (train.bm25_candidates);
     its "doc_block" [B] (a separate text's document's block, -1 none) is only measured:
@@ -364,11 +366,14 @@ def realm_loss(
     if "relevance_offset" in batch:  # zeros: its gradient is dLoss/dRelevance (train_step)
         relevance = relevance + batch["relevance_offset"].astype(relevance.dtype)
 
-    def marginal(rel):
+    def marginal(rel, join_outside: bool = True):
+        feats = features
+        if outside is not None and join_outside:  # the batch's other blocks: one candidate
+            rel, feats = with_outside(rel, features, outside)
         if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
-            logits = tied_decoder_logits(features, table, bias)
+            logits = tied_decoder_logits(feats, table, bias)
             return losses.marginal_loss(rel, logits, targets, weights)
-        return fused_marginal_loss(rel, features, table, bias, targets, weights, chunk=vocab_chunk)
+        return fused_marginal_loss(rel, feats, table, bias, targets, weights, chunk=vocab_chunk)
 
     inject = batch.get("inject")
     if inject is None:
@@ -381,13 +386,15 @@ def realm_loss(
 
         loss, metrics = jax.lax.cond(
             (inject >= 0).any(),
-            lambda: curriculum_loss(marginal, relevance, ids, inject),
+            lambda: curriculum_loss(
+                marginal, relevance, ids, inject, lambda r: marginal(r, join_outside=False)
+            ),
             plain,
         )
-    if outside is not None:  # after the offset: dLoss/dRelevance holds this term's pull too
-        term, mass = inbatch_term(relevance, outside, weights)
-        loss = loss + term
-        metrics.update(loss=loss, inbatch_term=term, inbatch_outside_mass=mass)
+    if outside is not None:  # the prior's mass on the batch's other blocks
+        lse = functools.partial(jax.nn.logsumexp, axis=-1)
+        gap = lse(outside.astype(jnp.float32)) - lse(relevance.astype(jnp.float32))
+        metrics["inbatch_outside_mass"] = jax.nn.sigmoid(jax.lax.stop_gradient(gap)).mean()
     gold = batch.get("doc_block")
     dense = num_candidates - 1 if "extra_ids" in batch else None
     metrics.update(coverage(cands, ids, targets, weights, gold, dense))
@@ -422,7 +429,7 @@ def realm_signal(d_relevance, metrics, weights, gold=None) -> dict:
     return out
 
 
-def curriculum_loss(marginal, relevance, ids, inject):
+def curriculum_loss(marginal, relevance, ids, inject, marginal_alone=None):
     """The copying curriculum's loss (train.own_block_steps with a separate text), for the
     queries given their document's block z* (inject >= 0; the others: REALM's loss): the mean
     of -log p(y | x, z*), the reader reading z* alone (its prior set to 1), and REALM's
@@ -435,11 +442,12 @@ def curriculum_loss(marginal, relevance, ids, inject):
     retrieved preferred the null document to the confidently wrong copies, and the null
     document's score rose for every query at once: p(null) 0.89 within 20 steps, one block
     the top of every query by 50 (docs/tutorial.md). The second term teaches the reader not to
-    copy from a block about someone else."""
+    copy from a block about someone else. marginal_alone (default marginal) scores the first
+    term: the reader reading z* alone (train.inbatch_negatives' other blocks left out)."""
     B = relevance.shape[0]
     gold = jnp.concatenate([jnp.zeros((B, 1), bool), ids == inject[:, None]], axis=1)  # [B, K]
     on = (inject >= 0)[:, None]
-    alone, m_alone = marginal(jnp.where(on & ~gold, -1e9, relevance))
+    alone, m_alone = (marginal_alone or marginal)(jnp.where(on & ~gold, -1e9, relevance))
     others, m_others = marginal(jnp.where(on & gold, -1e9, relevance))
     metrics = dict(m_others)
     metrics["loss"] = (alone + others) / 2
@@ -449,7 +457,7 @@ def curriculum_loss(marginal, relevance, ids, inject):
 
 # Metrics that marginal_metrics averages over the batch's real targets, and the one it sums;
 # any other metric is a mean over sentences.
-_PER_TARGET = ("loss", "accuracy", "retrieval_utility", "inbatch_term")
+_PER_TARGET = ("loss", "accuracy", "retrieval_utility")
 _SUMMED = ("num_targets",)
 
 
