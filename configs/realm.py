@@ -205,10 +205,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.article_block_steps = 0  # steps of that curriculum; 0 = none
     # In-batch negatives for REALM's retriever (not in the release; issue 46): each query's
     # prior is normalised over the other queries' retrieved candidates too (deduplicated, its
-    # own block excluded), the reader still reading only its own K, whose likelihood for the
-    # others is taken as 0 (pretrain/step.py inbatch_term): REALM's posterior ranks a query's
-    # own candidates, and the batch's other blocks (other sentences' BM25 blocks among them)
-    # are pushed down, as in ICT. With grad_accum, within each micro-batch.
+    # own block excluded); the reader still reads only its own K and takes the others as the
+    # null document (pretrain/step.py with_outside): the batch's other blocks (other sentences'
+    # BM25 blocks among them) are pushed down as in ICT while REALM's posterior ranks the own
+    # candidates. With grad_accum, within each micro-batch.
     c.train.inbatch_negatives = False  # the prior over the batch's candidates (above)
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
