@@ -14,8 +14,10 @@ the masked fact's own document, accuracy, null-only accuracy, top1_share) at the
 copying curriculum and at the last step, and the plot of recall and accuracy against steps.
 
 Arms for issue 46 (BM25's candidates): bm25, bm25_lr, bm25_copy, bm25_copy_lr,
-bm25_copy_inbatch (in-batch negatives for REALM's retriever part), and the
-BM25-imitation controls imitation and imitation_long (5x its steps); see ARMS.
+bm25_copy_inbatch (in-batch negatives for REALM's retriever part) and
+bm25_copy_inbatch_ict_lr (the same at the imitation control's LR), and the
+BM25-imitation controls imitation, imitation_long (5x its steps) and imitation_b16
+(REALM's batch of 16); see ARMS.
 
 --seed N: another world, data order and initialisation (its own README section);
 --summarise_seeds 0,1,2 then writes their mean and range for --arms, running nothing.
@@ -88,6 +90,14 @@ ARMS = {
         "--config.train.embedder_lr_scale=1",
         "--config.train.inbatch_negatives=True",
     ],
+    # ... with the embedders at the imitation control's LR (ICT's 3e-4: 0.6 x the reader's 5e-4)
+    "bm25_copy_inbatch_ict_lr": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.own_block_steps=200",
+        "--config.train.embedders_frozen_steps=200",
+        "--config.train.embedder_lr_scale=0.6",
+        "--config.train.inbatch_negatives=True",
+    ],
     # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
     # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many
     # steps as REALM trains them, then scored as every arm is (a REALM run of one step with
@@ -96,8 +106,16 @@ ARMS = {
     # the same with 5x the steps (IMITATION_LONG): whether this retriever can learn the world's
     # retrieval at all when told the right document every step
     "imitation_long": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
+    # ... at REALM's batch of 16 (ICT's is 64): as many (sentence, block) pairs as REALM sees
+    "imitation_b16": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
 }
 IMITATION_LONG = 5
+# the imitation arms' ICT runs: (multiple of REALM's embedder steps, extra ICT flags)
+IMITATIONS = {
+    "imitation": (1, []),
+    "imitation_long": (IMITATION_LONG, []),
+    "imitation_b16": (1, ["--config.train.batch_size=16"]),
+}
 IMITATION_ICT = ["--config.ict.positives=bm25"]
 KEYS = (
     ("title_recall@1", "recall@1"),
@@ -228,16 +246,23 @@ def qa(root: str, paths: list[str], arms: list[str], rerun: bool) -> str:
 
 
 def imitation(
-    root: str, ict: str, paths: list[str], steps: int, rerun: bool, arm: str = "imitation"
+    root: str,
+    ict: str,
+    paths: list[str],
+    steps: int,
+    rerun: bool,
+    arm: str = "imitation",
+    flags: tuple[str, ...] | list[str] = (),
 ) -> str:
     """The BM25-imitation control's embedders: `steps` of ICT's loss on (masked sentence,
-    BM25's top block) pairs from the ICT start; returns its workdir (`<arm>-ict`)."""
+    BM25's top block) pairs from the ICT start (with `flags`, more ICT overrides); returns
+    its workdir (`<arm>-ict`)."""
     wd = os.path.join(root, f"{arm}-ict")
     if rerun or not done(wd):
         if os.path.exists(wd):
             subprocess.run(["rm", "-rf", wd], check=True)
         extra = [f"--config.model.init_embedders_from_ict={ict}", f"--config.train.steps={steps}"]
-        args = ["ict", "--config", ICT, "--workdir", wd, *paths, *IMITATION_ICT, *extra]
+        args = ["ict", "--config", ICT, "--workdir", wd, *paths, *IMITATION_ICT, *extra, *flags]
         run(args, f"{wd}.log")
     return wd
 
@@ -399,11 +424,10 @@ def main(argv=None) -> int:
             if os.path.exists(wd):
                 subprocess.run(["rm", "-rf", wd], check=True)
             start = ict
-            if arm == "imitation":
-                start = imitation(root, ict, paths, tc.steps - frozen, a.rerun)
-            elif arm == "imitation_long":
-                steps = IMITATION_LONG * (tc.steps - frozen)
-                start = imitation(root, ict, paths, steps, a.rerun, arm)
+            if arm in IMITATIONS:
+                times, flags = IMITATIONS[arm]
+                steps = times * (tc.steps - frozen)
+                start = imitation(root, ict, paths, steps, a.rerun, arm, flags)
             extra = [f"--config.model.init_embedders_from_ict={start}", *ARMS[arm]]
             run(["train", "--config", REALM, "--workdir", wd, *paths, *extra], f"{wd}.log")
         runs[arm] = history(wd)
