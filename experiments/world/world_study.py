@@ -15,7 +15,8 @@ copying curriculum and at the last step, and the plot of recall and accuracy aga
 
 Arms for issue 46 (BM25's candidates): bm25, bm25_lr, bm25_copy, bm25_copy_lr,
 bm25_copy_inbatch (in-batch negatives for REALM's retriever part) and
-bm25_copy_inbatch_ict_lr (the same at the imitation control's LR), and the
+bm25_copy_inbatch_ict_lr (the same at the imitation control's LR), bm25_copy_inbatch_b64
+(and its batch and steps), and the
 BM25-imitation controls imitation, imitation_long (5x its steps) and imitation_b16
 (REALM's batch of 16); see ARMS.
 
@@ -95,6 +96,17 @@ ARMS = {
         f"--config.train.bm25_candidates={BM25_M}",
         "--config.train.own_block_steps=200",
         "--config.train.embedders_frozen_steps=200",
+        "--config.train.embedder_lr_scale=0.6",
+        "--config.train.inbatch_negatives=True",
+    ],
+    # ... at the imitation control's batch (64), LR (3e-4) and embedder steps (200): the
+    # curriculum and the reading phase shortened to 50 steps (as many sentences as 200 of 16)
+    "bm25_copy_inbatch_b64": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.batch_size=64",
+        "--config.train.steps=250",
+        "--config.train.own_block_steps=50",
+        "--config.train.embedders_frozen_steps=50",
         "--config.train.embedder_lr_scale=0.6",
         "--config.train.inbatch_negatives=True",
     ],
