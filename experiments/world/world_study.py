@@ -109,6 +109,8 @@ ARMS = {
         "--config.train.embedders_frozen_steps=50",
         "--config.train.embedder_lr_scale=0.6",
         "--config.train.inbatch_negatives=True",
+        # 4x the step's work on 2 shared cores: a step took over the watchdog's 300 s floor
+        "--config.train.stall_floor_s=1800",
     ],
     # the BM25-imitation control: the ICT start's embedders trained contrastively on BM25's
     # top block for the same masked sentences (`ict --config.ict.positives=bm25`) for as many
