@@ -404,6 +404,25 @@ def test_same_loss_on_one_device_and_the_mesh(setup, sharded_step):
 
 
 @pytest.mark.system  # two step compiles; CI: the weighting test
+def index_and_loss(config, mesh, model, **kw):
+    """(blocks' embeddings, tokens, the index on the mesh, realm_loss with the config's
+    candidates, lengths and vocab chunk; kw: more of its arguments)."""
+    emb, tokens = synthetic_index(config)
+    e, t = embedding.pad_index(emb, tokens, mesh)
+    index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
+    loss_fn = functools.partial(
+        pretrain_step.realm_loss,
+        model=model,
+        mesh=mesh,
+        num_candidates=config.train.num_candidates,
+        num_valid=len(emb),
+        length=inputs.joint_len(config),
+        vocab_chunk=config.train.mlm_vocab_chunk,
+        **kw,
+    )
+    return emb, tokens, index, loss_fn
+
+
 def test_gradient_accumulation_gives_the_whole_batch_gradient():
     """train.grad_accum=2 (pretrain/step.py accumulated_grads) against one pass over the same
     16 sentences on the sharded mesh: the same gradient, metrics and update. The two
@@ -412,23 +431,12 @@ def test_gradient_accumulation_gives_the_whole_batch_gradient():
     off = ["model.embedder.dropout=0", "model.reader.dropout=0", "train.batch_size=16"]
     one, two = tiny_config(*off), tiny_config(*off, "train.grad_accum=2")
     mesh = sharding.make_mesh(one.mesh)
-    emb, tokens = synthetic_index(one)
-    e, t = embedding.pad_index(emb, tokens, mesh)
-    index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
+    model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
+    emb, _, index, loss_fn = index_and_loss(one, mesh, model)
     batch = synthetic_batch(one, seed=4)
     w = batch["mlm_weights"].sum(1)
     assert w[0::2].sum() != w[1::2].sum()  # micro-batch j holds rows j, j + 2, ...
     gb = sharding.global_batch(batch, mesh)
-    model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
-    loss_fn = functools.partial(
-        pretrain_step.realm_loss,
-        model=model,
-        mesh=mesh,
-        num_candidates=one.train.num_candidates,
-        num_valid=len(emb),
-        length=inputs.joint_len(one),
-        vocab_chunk=one.train.mlm_vocab_chunk,
-    )
     want = jax.jit(jax.grad(lambda p: loss_fn(p, gb, *index)[0]))(state.params)
     got, _ = jax.jit(
         lambda p: pretrain_step.accumulated_grads(loss_fn, p, gb, *index, 2, mesh, None)
@@ -1029,25 +1037,13 @@ def test_inbatch_negatives_in_the_compiled_step_one_pass_and_accumulated():
     on = [*off, "train.inbatch_negatives=True"]
     one = tiny_config(*on)
     mesh = sharding.make_mesh(one.mesh)
-    emb, tokens = synthetic_index(one)
-    e, t = embedding.pad_index(emb, tokens, mesh)
-    index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
+    model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
+    emb, _, index, loss = index_and_loss(one, mesh, model, inbatch=True)
+    loss = jax.jit(loss)
     batch = synthetic_batch(one, seed=4)
     # the random-init retriever finds the same blocks for every query: each row gets a block
     # of its own (a second retriever's), so each query has in-batch negatives
     batch["extra_ids"] = np.arange(16)[:, None].astype(np.int32)
-    model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
-    loss = jax.jit(
-        functools.partial(
-            pretrain_step.realm_loss,
-            model=model,
-            mesh=mesh,
-            num_candidates=one.train.num_candidates,
-            num_valid=len(emb),
-            length=inputs.joint_len(one),
-            inbatch=True,
-        )
-    )
     want, m = loss(state.params, sharding.global_batch(batch, mesh), *index)
     parts = [
         loss(
