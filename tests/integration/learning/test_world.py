@@ -54,15 +54,20 @@ RUN = [
     f"--config.train.checkpoint_every={CURRICULUM}",  # the control resumes from step C
 ]
 # The stop_gradient on the retrieval scores: REALM's only path to the retriever cut.
-STOP_GRADIENT = """
+# retrieve_embedded is where every training and evaluation path gets its scores (retrieve
+# wraps it); the patch says so in the log when traced, and the control test checks it did
+# (a patch of a function the step no longer calls once let the "control" learn as REALM).
+CUT = "control: the retrieval scores cut from the gradient"
+STOP_GRADIENT = f"""
 import sys, jax
 from realm_jax import cli
 from realm_jax.pretrain import step
-retrieve = step.retrieve
+retrieve = step.retrieve_embedded
 def cut(*a, **k):
-    q, rel, cands, ids = retrieve(*a, **k)
-    return q, jax.lax.stop_gradient(rel), cands, ids
-step.retrieve = cut
+    q, hits, rel, cands, ids = retrieve(*a, **k)
+    print({CUT!r}, flush=True)
+    return q, hits, jax.lax.stop_gradient(rel), cands, ids
+step.retrieve_embedded = cut
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -111,6 +116,7 @@ def world_run(root) -> tuple[dict, dict]:
     os.remove(os.path.join(control, "metrics.json"))
     train = ["train", "--config", REALM, "--workdir", control, *args]
     _run(train, f"{root}/control.log", STOP_GRADIENT)
+    assert CUT in open(f"{root}/control.log").read(), "the control's patch was never traced"
     return tuple(_evals(w) for w in (realm, control))
 
 
