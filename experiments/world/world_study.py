@@ -17,8 +17,10 @@ Arms for issue 46 (BM25's candidates): bm25, bm25_lr, bm25_copy, bm25_copy_lr,
 bm25_copy_inbatch (in-batch negatives for REALM's retriever part) and
 bm25_copy_inbatch_ict_lr (the same at the imitation control's LR), bm25_copy_inbatch_b64
 (and its batch and steps), and the
-BM25-imitation controls imitation, imitation_long (5x its steps) and imitation_b16
-(REALM's batch of 16); see ARMS.
+BM25-imitation controls imitation, imitation_long (5x its steps), imitation_x2 (2x) and
+imitation_b16 (REALM's batch of 16); realm_from_imitation (REALM's recipe from the imitation
+control's embedders, not ICT's) and realm_from_imitation_lr (at the imitation's LR); see
+ARMS.
 
 --seed N: another world, data order and initialisation (its own README section);
 --summarise_seeds 0,1,2 then writes their mean and range for --arms, running nothing.
@@ -122,13 +124,29 @@ ARMS = {
     "imitation_long": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
     # ... at REALM's batch of 16 (ICT's is 64): as many (sentence, block) pairs as REALM sees
     "imitation_b16": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
+    # ... with twice its steps: the control for realm_from_imitation (the imitation's steps
+    # plus as many again as REALM then trains the embedders)
+    "imitation_x2": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
+    # REALM's recipe (the realm arm, dense candidates only) from the imitation control's
+    # embedders instead of ICT's: where ICT leaves the own document outside the dense top-k,
+    # BM25's imitation puts it there, and REALM's pull can start. Not the release's start
+    # (REALM warm-starts from ICT): a second retriever's lesson distilled first, on purpose.
+    # Its step 200 (the embedders frozen until then) is the imitation start; imitation_x2
+    # is its control
+    "realm_from_imitation": [],
+    # ... with the embedders at the imitation control's LR (3e-4, 0.6 x the reader's) rather
+    # than the recipe's tenth
+    "realm_from_imitation_lr": ["--config.train.embedder_lr_scale=0.6"],
 }
+# arms whose embedders start from an imitation arm's ICT run instead of ICT's
+FROM_IMITATION = {"realm_from_imitation": "imitation", "realm_from_imitation_lr": "imitation"}
 IMITATION_LONG = 5
 # the imitation arms' ICT runs: (multiple of REALM's embedder steps, extra ICT flags)
 IMITATIONS = {
     "imitation": (1, []),
     "imitation_long": (IMITATION_LONG, []),
     "imitation_b16": (1, ["--config.train.batch_size=16"]),
+    "imitation_x2": (2, []),
 }
 IMITATION_ICT = ["--config.ict.positives=bm25"]
 KEYS = (
@@ -442,6 +460,11 @@ def main(argv=None) -> int:
                 times, flags = IMITATIONS[arm]
                 steps = times * (tc.steps - frozen)
                 start = imitation(root, ict, paths, steps, a.rerun, arm, flags)
+            elif arm in FROM_IMITATION:
+                base = FROM_IMITATION[arm]
+                times, flags = IMITATIONS[base]
+                steps = times * (tc.steps - frozen)
+                start = imitation(root, ict, paths, steps, a.rerun, base, flags)
             extra = [f"--config.model.init_embedders_from_ict={start}", *ARMS[arm]]
             run(["train", "--config", REALM, "--workdir", wd, *paths, *extra], f"{wd}.log")
         runs[arm] = history(wd)
