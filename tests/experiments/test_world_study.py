@@ -19,6 +19,15 @@ def test_arms_are_overrides_of_the_world_config():
     assert stale >= 30 * config.refresh.every and stale > config.train.steps
 
 
+def test_arms_started_from_an_imitation_name_an_imitation_run():
+    for arm, base in W.FROM_IMITATION.items():
+        assert arm in W.ARMS and base in W.IMITATIONS and base in W.ARMS
+        # scored as REALM arms (their curriculum and REALM steps), not as an imitation's step 0
+        assert not arm.startswith("imitation")
+    # the control for REALM from the imitation: the imitation's steps plus REALM's again
+    assert W.IMITATIONS["imitation_x2"][0] == 2 * W.IMITATIONS["imitation"][0]
+
+
 def test_unknown_arm_is_refused(capsys):
     with pytest.raises(SystemExit):
         W.main(["--arms", "realm,bogus", "--root", "/nonexistent"])
