@@ -1,7 +1,7 @@
 """Paired comparison of retrievers on the same questions -> a study's README (or stdout).
 
     python experiments/tools/paired_retrieval.py --base "ICT only=P0" "REALM salient=P1" ...
-        [--k 5] [--section TITLE --doc experiments/STUDY/README.md]
+        [--k 5 | --exact_match] [--section TITLE --doc experiments/STUDY/README.md]
 
 Each P is an `evaluate` predictions file (NAME.predictions.jsonl: one record per question,
 in the same question order, with its `hits` flags and `top_blocks`), e.g. the ablation
@@ -14,7 +14,8 @@ answer-holding block in its top k, none in the base's) and loses (the reverse), 
 two-sided sign test (McNemar's exact test) on those discordant questions: under "no difference" a
 gain and a loss are equally likely. It also counts the distinct blocks in all top-k lists, and the
 share of all retrievals taken by the 1% most retrieved blocks: a retriever drawn towards a few hub
-blocks retrieves fewer distinct ones.
+blocks retrieves fewer distinct ones. --exact_match compares fine-tuned evaluations' exact match
+(each record's `correct`) the same way.
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ def load(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+EXACT_MATCH = 0  # the k that compares exact match (the records' `correct`) instead of recall
+
+
 def hits(records: list[dict], k: int) -> list[bool]:
+    if k == EXACT_MATCH:
+        return [bool(r["correct"]) for r in records]
     return [bool(r["hits"][str(k)]) for r in records]
+
+
+def metric(k: int) -> str:
+    return "exact match" if k == EXACT_MATCH else f"recall@{k}"
 
 
 def listed(records: list[dict], k: int) -> int:
@@ -93,20 +103,21 @@ def compare(base: list[dict], other: list[dict], k: int) -> dict:
 
 def table(named: list[tuple[str, list[dict]]], k: int) -> str:
     (base_name, base), rest = named[0], named[1:]
-    n = listed(base, k)
+    n = listed(base, k) if k != EXACT_MATCH else listed(base, 5)
     lines = [
-        f"| retriever | recall@{k} | against {base_name}: gained / lost | sign test p "
+        f"| retriever | {metric(k)} | against {base_name}: gained / lost | sign test p "
         f"| distinct blocks in the top {n} | share of the 1% most retrieved |",
         "|---|---|---|---|---|---|",
     ]
-    distinct, share = spread(base, k)
+    k_top = n if k == EXACT_MATCH else k
+    distinct, share = spread(base, k_top)
     lines.append(
         f"| {base_name} | {100 * sum(hits(base, k)) / len(base):.1f} | - | - "
         f"| {distinct:,} | {share:.3f} |"
     )
     for name, records in rest:
         c = compare(base, records, k)
-        distinct, share = spread(records, k)
+        distinct, share = spread(records, k_top)
         lines.append(
             f"| {name} | {100 * c['recall']:.1f} | {c['gained']} / {c['lost']} "
             f"| {c['p']:.2g} | {distinct:,} | {share:.3f} |"
@@ -119,6 +130,11 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="NAME=PREDICTIONS.jsonl: the reference")
     ap.add_argument("others", nargs="+", help="NAME=PREDICTIONS.jsonl, compared with the base")
     ap.add_argument("--k", type=int, default=5, help="recall@k (a key of the records' hits)")
+    ap.add_argument(
+        "--exact_match",
+        action="store_true",
+        help="compare exact match (the records' `correct`: fine-tuned evaluations) instead",
+    )
     ap.add_argument("--section", default="", help="write the table as this section of --doc")
     ap.add_argument("--doc", default="", help="the study's README.md that --section goes to")
     ap.add_argument("--note", default="", help="text written above the table in the section")
@@ -134,7 +150,7 @@ def main() -> int:
             ap.error(f"{name}: no predictions file at {path}")
         named.append((name, load(path)))
     try:
-        body = table(named, args.k)
+        body = table(named, EXACT_MATCH if args.exact_match else args.k)
     except (KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ def test_stage_stamps_reuse_only_a_stage_of_the_same_config_code_and_upstream(
 def test_paired_retrieval_counts_and_sign_test_by_hand():
     import pytest
 
-    from experiments.tools.paired_retrieval import compare, sign_test, spread, table
+    from experiments.tools.paired_retrieval import EXACT_MATCH, compare, sign_test, spread, table
 
     # the exact sign test, by hand: 0 of 5 -> 2 * (1/2)^5; 1 of 6 -> 2 * 7/64; 3 of 6 -> 1
     assert sign_test(0, 5) == pytest.approx(2 / 32)
@@ -62,6 +62,14 @@ def test_paired_retrieval_counts_and_sign_test_by_hand():
     assert "| 0 / 1 | 1 |" in table([("base", base), ("other", other)], 5)
     with pytest.raises(ValueError, match="question 1 differs"):
         compare(base, [base[0], rec("x", True, [1]), base[2]], 5)
+    # exact match (--exact_match): the records' `correct`, not their hits; 2 gained, 0 lost
+    for r, ok in zip(base, (False, False, True)):
+        r["correct"] = ok
+    for r, ok in zip(other, (True, True, True)):
+        r["correct"] = ok
+    c = compare(base, other, EXACT_MATCH)
+    assert (c["gained"], c["lost"], c["recall"]) == (2, 0, 1.0) and c["p"] == 0.5
+    assert "| exact match |" in table([("base", base), ("other", other)], EXACT_MATCH)
 
 
 def test_gradient_noise_scale_recovers_a_known_signal_and_noise():
