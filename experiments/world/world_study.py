@@ -456,12 +456,8 @@ def main(argv=None) -> int:
             if os.path.exists(wd):
                 subprocess.run(["rm", "-rf", wd], check=True)
             start = ict
-            if arm in IMITATIONS:
-                times, flags = IMITATIONS[arm]
-                steps = times * (tc.steps - frozen)
-                start = imitation(root, ict, paths, steps, a.rerun, arm, flags)
-            elif arm in FROM_IMITATION:
-                base = FROM_IMITATION[arm]
+            base = arm if arm in IMITATIONS else FROM_IMITATION.get(arm)
+            if base:  # an imitation arm, or an arm started from one: its ICT run first
                 times, flags = IMITATIONS[base]
                 steps = times * (tc.steps - frozen)
                 start = imitation(root, ict, paths, steps, a.rerun, base, flags)
