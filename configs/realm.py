@@ -210,6 +210,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # BM25 blocks among them) are pushed down as in ICT while REALM's posterior ranks the own
     # candidates. With grad_accum, within each micro-batch.
     c.train.inbatch_negatives = False  # the prior over the batch's candidates (above)
+    # The BM25-imitation term beside REALM's loss (not in the release; issue 46): the loss is
+    # REALM's plus this weight times a contrastive loss with BM25's top block for the masked
+    # sentence as the positive, ranked against the batch's candidate blocks (deduplicated, the
+    # own block excluded; pretrain/step.py imitation_term), in the same jitted step: where the
+    # dense retriever starts at chance and REALM's pull is as small as the prior on the right
+    # block, imitation brings it among the candidates. Needs train.bm25_candidates >= 1.
+    c.train.imitation_weight = 0.0  # weight of the imitation term; 0 = off (the release)
+    # False: REALM's loss trains the reader alone (stop_gradient on the retriever's scores),
+    # the embedders learn from the imitation term only: the control for imitation_weight
+    c.train.realm_retriever_grad = True  # REALM's gradient reaches the retriever (release)
     c.train.grad_clip = 1.0  # global norm clipping
     c.train.adam_b1 = 0.9  # Adam beta1
     c.train.adam_b2 = 0.999  # Adam beta2

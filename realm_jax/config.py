@@ -95,6 +95,8 @@ SHARED_TRAIN_FIELDS = (
     "train.bm25_candidates",  # REALM's second retriever: ICT and fine-tuning do not read it
     "train.article_block_steps",  # REALM's curriculum: ICT and fine-tuning have none
     "train.inbatch_negatives",  # REALM's prior over the batch: ICT has its own in-batch loss
+    "train.imitation_weight",  # REALM's imitation term: ICT has ict.positives=bm25
+    "train.realm_retriever_grad",  # REALM's gradient on the retriever: ICT has no reader
 )
 
 
@@ -291,6 +293,7 @@ RANGES = {
     "train.embedders_frozen_steps": _at_least(0),
     "train.own_block_steps": _at_least(0),
     "train.bm25_candidates": _at_least(0),
+    "train.imitation_weight": _at_least(0),
     "train.article_block_steps": _at_least(0),
     "train.embedders_warmup_steps": _at_least(0),
     "train.weight_decay": _at_least(0),
@@ -451,6 +454,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
                     f"{key}={m}: needs data.mask_mode=salient, not {mode!r} (its blocks are "
                     "found once per salient span, with BM25's candidates)"
                 )
+        weight, m = _get(config, "train.imitation_weight"), _get(config, "train.bm25_candidates")
+        if _MISSING not in (weight, m) and weight > 0 and m < 1:
+            problems.append(
+                f"train.imitation_weight={weight}: needs train.bm25_candidates >= 1 (its "
+                "positive is BM25's top block for the masked sentence, a joined candidate)"
+            )
+        if _get(config, "train.realm_retriever_grad") is False and weight in (0, _MISSING):
+            problems.append(
+                "train.realm_retriever_grad=False with train.imitation_weight=0: the "
+                "embedders would get no gradient at all; freeze them with "
+                "train.embedders_frozen_steps instead"
+            )
         k = _get(config, "train.num_candidates")
         if k is not _MISSING and k < 2:
             problems.append(

@@ -19,8 +19,10 @@ bm25_copy_inbatch_ict_lr (the same at the imitation control's LR), bm25_copy_inb
 (and its batch and steps), and the
 BM25-imitation controls imitation, imitation_long (5x its steps), imitation_x2 (2x) and
 imitation_b16 (REALM's batch of 16); realm_from_imitation (REALM's recipe from the imitation
-control's embedders, not ICT's) and realm_from_imitation_lr (at the imitation's LR); see
-ARMS.
+control's embedders, not ICT's) and realm_from_imitation_lr (at the imitation's LR);
+bm25_imitation (REALM's loss plus the imitation term in one step, train.imitation_weight), its
+controls bm25_imitation_alone (the term alone: REALM's gradient stopped at the retriever) and
+bm25_ict_lr (REALM alone at the same LR); see ARMS.
 
 --seed N: another world, data order and initialisation (its own README section);
 --summarise_seeds 0,1,2 then writes their mean and range for --arms, running nothing.
@@ -127,6 +129,27 @@ ARMS = {
     # ... with twice its steps: the control for realm_from_imitation (the imitation's steps
     # plus as many again as REALM then trains the embedders)
     "imitation_x2": ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"],
+    # REALM's loss plus the BM25-imitation term in the same step (train.imitation_weight: BM25's
+    # top block the positive of a softmax over the batch's candidates), BM25's top 4 joined,
+    # the embedders at the imitation control's LR (3e-4, 0.6 x the reader's)
+    "bm25_imitation": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=0.6",
+        "--config.train.imitation_weight=1.0",
+    ],
+    # ... its control: the same step with REALM's gradient stopped at the retriever's scores
+    # (train.realm_retriever_grad=False), the embedders learning from the imitation term alone
+    "bm25_imitation_alone": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=0.6",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.realm_retriever_grad=False",
+    ],
+    # ... and REALM alone: the same candidates and LR, no imitation term
+    "bm25_ict_lr": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=0.6",
+    ],
     # REALM's recipe (the realm arm, dense candidates only) from the imitation control's
     # embedders instead of ICT's: where ICT leaves the own document outside the dense top-k,
     # BM25's imitation puts it there, and REALM's pull can start. Not the release's start

@@ -179,6 +179,8 @@ CONSOLE_KEYS = (
     "signal_span",
     "signal_doc",
     "inbatch_outside_mass",
+    "imitation_loss",
+    "imitation_accuracy",
     "staleness",
 )
 

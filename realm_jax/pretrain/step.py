@@ -176,6 +176,32 @@ def inbatch_scores(q_emb, hits, ids, own_block):
     return jnp.where(keep, scores, ABSENT)
 
 
+def imitation_term(q_emb, hits, ids, positive, own_block):
+    """The BM25-imitation term (train.imitation_weight; not in the release, issue 46): each
+    query's second retriever's top block `positive` [B] (BM25's, the batch's raw extra_ids
+    [:, 0]; -1 none) ranked by a softmax over the batch's candidate blocks, the dense and the
+    joined ones (hits [B, K-1, D], live embeddings; ids [B, K-1], -1 an empty slot),
+    deduplicated (a block's first place in the batch), the query's own block excluded as
+    retrieval excludes it. As the imitation control's loss (ict.positives=bm25) but ranked
+    against the batch's retrieved blocks, hard negatives, not only the other sentences'
+    positives. Returns (mean cross-entropy over the queries that have a positive, their
+    accuracy: the positive scored above every other column)."""
+    B, k, D = hits.shape
+    flat_ids = ids.reshape(B * k)
+    col = jnp.arange(B * k)
+    same = flat_ids[:, None] == flat_ids[None, :]  # [Bk, Bk]
+    first = ~(same & (col[None, :] < col[:, None])).any(1) & (flat_ids >= 0)  # [Bk]
+    keep = first[None, :] & (flat_ids[None, :] != own_block[:, None])  # [B, Bk]
+    scores = jnp.where(keep, q_emb @ hits.reshape(B * k, D).T, ABSENT).astype(jnp.float32)
+    at = first[None, :] & (flat_ids[None, :] == positive[:, None])  # [B, Bk]: one column
+    has = (at.any(1) & (positive >= 0) & (positive != own_block)).astype(jnp.float32)
+    label = jnp.argmax(at, axis=1)
+    ce = jax.nn.logsumexp(scores, axis=1) - jnp.take_along_axis(scores, label[:, None], 1)[:, 0]
+    n = jnp.maximum(has.sum(), 1.0)
+    accuracy = ((jnp.argmax(scores, axis=1) == label) * has).sum() / n
+    return (ce * has).sum() / n, accuracy
+
+
 def with_outside(relevance, features, outside):
     """REALM's candidates joined by one for the batch's other blocks (train.inbatch_negatives):
     (relevance [B, K+1], features [B, K+1, P, H]); outside [B, B(K-1)] from inbatch_scores.
@@ -292,11 +318,14 @@ def retrieve_and_read(
     inject=None,
     fixed_null: bool = False,
     inbatch: bool = False,
+    imitation: bool = False,
 ):
     """`retrieve` then `read_candidates`, with a batch's extra_ids (a second retriever's
     blocks) joined: (relevance [B, K], features [B, K, P, H], word embeddings [V, H], decoder
-    bias [V], retrieved ids [B, K-1], candidate tokens [B, K, Lb], and with inbatch the
-    scores against the other queries' candidates [B, B(K-1)] (inbatch_scores), else None)."""
+    bias [V], retrieved ids [B, K-1], candidate tokens [B, K, Lb], and a dict of the batch
+    terms: with inbatch "outside", the scores against the other queries' candidates
+    [B, B(K-1)] (inbatch_scores); with imitation "imitation", imitation_term's (loss,
+    accuracy) for extra_ids[:, 0])."""
     q_emb, hits, relevance, cands, ids = retrieve_embedded(
         params,
         batch,
@@ -314,10 +343,14 @@ def retrieve_and_read(
     features, table, bias = read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length, rng
     )
-    outside = None
+    terms = {}
+    own = batch["block_id"].astype(ids.dtype)
     if inbatch:
-        outside = inbatch_scores(q_emb, hits, ids, batch["block_id"].astype(ids.dtype))
-    return relevance, features, table, bias, ids, cands, outside
+        terms["outside"] = inbatch_scores(q_emb, hits, ids, own)
+    if imitation:
+        positive = batch["extra_ids"][:, 0].astype(ids.dtype)
+        terms["imitation"] = imitation_term(q_emb, hits, ids, positive, own)
+    return relevance, features, table, bias, ids, cands, terms
 
 
 def realm_loss(
@@ -335,10 +368,18 @@ def realm_loss(
     rng=None,
     fixed_null: bool = False,
     inbatch: bool = False,
+    imitation_weight: float = 0.0,
+    retriever_grad: bool = True,
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
     inbatch (train.inbatch_negatives): the prior normalised over the other queries'
     candidates too, those read as the null document (with_outside; not in the release).
+    imitation_weight (train.imitation_weight): the returned loss is REALM's plus that times
+    imitation_term's (BM25's top block, extra_ids[:, 0], as a contrastive positive; metrics
+    "imitation_loss" and "imitation_accuracy"; "loss" stays REALM's). retriever_grad=False
+    (train.realm_retriever_grad): REALM's loss reaches the retriever's scores under
+    stop_gradient, so the embedders learn from the imitation term alone, the reader from
+    REALM's loss over the same candidates: the in-step imitation control.
     A batch's "inject" [B] puts those blocks among the candidates (retrieve); its
     "extra_ids" [B, m] joins a second retriever's blocks to them (train.bm25_candidates);
     its "doc_block" [B] (a separate text's document's block, -1 none) is only measured:
@@ -347,7 +388,7 @@ def realm_loss(
 
     vocab_chunk: vocabulary rows per step of the fused MLM softmax (fused_marginal_loss;
     0 = the whole vocabulary at once; -1 = materialise the logits, losses.marginal_loss)."""
-    relevance, features, table, bias, ids, cands, outside = retrieve_and_read(
+    relevance, features, table, bias, ids, cands, terms = retrieve_and_read(
         params,
         batch,
         index_emb,
@@ -361,7 +402,12 @@ def realm_loss(
         inject=batch.get("inject"),
         fixed_null=fixed_null,
         inbatch=inbatch,
+        imitation=imitation_weight > 0,
     )  # features [B, K, P, H]
+    outside = terms.get("outside")
+    if not retriever_grad:  # the in-step imitation control: REALM trains the reader alone
+        relevance = jax.lax.stop_gradient(relevance)
+        outside = None if outside is None else jax.lax.stop_gradient(outside)
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     if "relevance_offset" in batch:  # zeros: its gradient is dLoss/dRelevance (train_step)
         relevance = relevance + batch["relevance_offset"].astype(relevance.dtype)
@@ -403,6 +449,10 @@ def realm_loss(
         metrics["candidate_holds"] = block_holds_targets(cands, targets, weights)[:, 1:] & (
             ids >= 0
         )
+    if "imitation" in terms:
+        term, metrics["imitation_accuracy"] = terms["imitation"]
+        metrics["imitation_loss"] = term
+        loss = loss + imitation_weight * term
     return loss, metrics
 
 
@@ -539,6 +589,8 @@ def train_step(
     fixed_null: bool = False,
     article_block_steps: int = 0,
     inbatch: bool = False,
+    imitation_weight: float = 0.0,
+    retriever_grad: bool = True,
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
     the masked sentence's own block is not excluded from retrieval, and a separate text's
@@ -548,7 +600,9 @@ def train_step(
     holds the masked span (the batch's article_block) among its candidates, read as the
     curriculum reads a document's block (train.article_block_steps).
     grad_accum: micro-batches the batch is split into (accumulated_grads); 1 = one pass, and
-    with inbatch (train.inbatch_negatives) a micro-batch's queries are each other's negatives."""
+    with inbatch (train.inbatch_negatives) a micro-batch's queries are each other's negatives,
+    as they are with imitation_weight (realm_loss; its term then weighted by the micro-batch's
+    share of the targets, as REALM's loss is)."""
     batch = dict(batch)
     gold = batch.pop("gold_block", None)
     article = batch.pop("article_block", None)
@@ -578,6 +632,8 @@ def train_step(
         vocab_chunk=vocab_chunk,
         fixed_null=fixed_null,
         inbatch=inbatch,
+        imitation_weight=imitation_weight,
+        retriever_grad=retriever_grad,
     )
     if grad_accum > 1:
         grads, metrics = accumulated_grads(
@@ -619,6 +675,8 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         fixed_null=fixed_null(config),
         article_block_steps=int(config.train.get("article_block_steps", 0)),
         inbatch=bool(config.train.get("inbatch_negatives", False)),
+        imitation_weight=float(config.train.get("imitation_weight", 0.0)),
+        retriever_grad=bool(config.train.get("realm_retriever_grad", True)),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(

@@ -1070,6 +1070,99 @@ def test_inbatch_negatives_in_the_compiled_step_one_pass_and_accumulated():
     np.testing.assert_allclose(got["two"]["inbatch_outside_mass"], mass2, rtol=1e-5)
 
 
+def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_hand(setup):
+    """train.imitation_weight's term (imitation_term): each query's BM25 top block (extra_ids
+    [:, 0]) as the positive of a softmax over the batch's candidate blocks, deduplicated, the
+    query's own block excluded, against numpy from embeddings computed apart (embed_doc of
+    every block). Row b's positive is row b+1's own block, so it is excluded there; a pool
+    block joins two rows, so the deduplication matters."""
+    from realm_jax.model.realm import RealmModel
+
+    config, mesh, model, _, _, _, emb, tokens, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    length = inputs.joint_len(config)
+    own = batch["block_id"]
+    B = len(own)
+    _, _, _, plain = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(
+        state.params, sharding.global_batch(batch, mesh), *index
+    )
+    pool = [i for i in range(len(emb)) if i not in np.asarray(plain) and i not in own]
+    pairs = np.asarray([pool[b // 2] for b in range(B)])
+    extra = np.stack([np.roll(own, -1), pairs], 1).astype(np.int32)
+    extra[0, 0] = -1  # a sentence BM25 found nothing for: no term
+    g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
+    out = jax.jit(
+        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length, imitation=True)
+    )(state.params, g, *index)
+    ids, (got_loss, got_acc) = np.asarray(out[4]), out[6]["imitation"]
+    all_tok = jnp.asarray(tokens)
+    d = np.asarray(
+        model.apply(
+            {"params": state.params},
+            all_tok,
+            inputs.block_segments(all_tok),
+            (all_tok != 0).astype(jnp.int32),
+            method=RealmModel.embed_doc,
+        ),
+        np.float64,
+    )  # [N, D]
+    q = np.asarray(
+        jax.jit(functools.partial(pretrain_step.retrieve, **kw))(state.params, g, *index)[0],
+        np.float64,
+    )
+    columns = sorted({int(i) for i in ids.ravel() if i >= 0})
+    ce, right = [], []
+    for b in range(1, B):
+        cols = [i for i in columns if i != own[b]]
+        s = np.array([q[b] @ d[i] for i in cols])
+        pos = cols.index(int(extra[b, 0]))
+        ce.append(np.log(np.exp(s - s.max()).sum()) + s.max() - s[pos])
+        right.append(np.argmax(s) == pos)
+    assert any(own[b] in ids[b - 1] for b in range(1, B))  # the own-block exclusion matters
+    np.testing.assert_allclose(float(got_loss), np.mean(ce), rtol=1e-4)
+    np.testing.assert_allclose(float(got_acc), np.mean(right), atol=1e-6)
+
+
+def test_imitation_weight_adds_its_gradient_and_its_control_stops_realms(setup):
+    """realm_loss with imitation_weight w: REALM's loss plus w times the term, so the
+    embedders' gradient is REALM's plus w times the term's; with retriever_grad=False (the
+    in-step imitation control) it is the term's alone, and the reader's gradient is REALM's
+    in all three. Then the compiled step with the config's options gives the same losses."""
+    config, mesh, model, _, _, _, emb, _, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    batch = dict(batch, extra_ids=np.arange(len(batch["block_id"]))[:, None].astype(np.int32))
+    g = sharding.global_batch(batch, mesh)
+    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    length = inputs.joint_len(config)
+
+    def grads(**opts):
+        fn = functools.partial(pretrain_step.realm_loss, **kw, length=length, **opts)
+        return jax.jit(jax.grad(lambda p: fn(p, g, *index), has_aux=True))(state.params)
+
+    plain, m0 = grads()
+    both, m1 = grads(imitation_weight=2.0)
+    alone, m2 = grads(imitation_weight=2.0, retriever_grad=False)
+    assert float(m1["imitation_loss"]) > 0 and float(m0["loss"]) == float(m1["loss"])
+    for net in ("query_embedder", "doc_embedder"):
+        for a, b, c in zip(*(jax.tree.leaves(x[net]) for x in (both, plain, alone)), strict=True):
+            np.testing.assert_allclose(np.asarray(a) - np.asarray(b), c, atol=2e-5)
+        assert optax_norm(alone[net]) > 0
+    for a, b, c in zip(*(jax.tree.leaves(x["reader"]) for x in (plain, both, alone)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(a, c, atol=1e-6)
+    on = tiny_config("train.bm25_candidates=1", "train.imitation_weight=2.0")
+    model, opt, state, shardings = pretrain_step.create_state(on, mesh, jax.random.key(0))
+    fn = pretrain_step.compile_train_step(on, mesh, model, opt, shardings, len(emb))
+    got = jax.device_get(fn(state, g, *index, 0)[1])
+    np.testing.assert_allclose(got["imitation_loss"], float(m1["imitation_loss"]), rtol=1e-5)
+    np.testing.assert_allclose(got["loss"], float(m1["loss"]), rtol=1e-5)
+
+
+def optax_norm(tree) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree.leaves(tree))))
+
+
 def test_realm_signal_is_the_posterior_minus_prior_computed_by_hand(setup):
     """realm_signal from dLoss/dRelevance (a zero offset on the scores, differentiated with the
     parameters in train_step) against posterior - prior from materialised logits in numpy:

@@ -153,6 +153,18 @@ def test_bm25_candidates_need_salient_masks():
         pipeline.MaskSpan(8, 2, "uniform", extra=object())
 
 
+def test_imitation_term_needs_bm25_candidates_and_a_gradient_for_the_embedders():
+    from realm_jax.config import ConfigError, validate
+
+    validate(tiny_config("train.bm25_candidates=1", "train.imitation_weight=0.5"))
+    with pytest.raises(ConfigError, match="imitation_weight=0.5: needs train.bm25_candidates"):
+        validate(tiny_config("train.imitation_weight=0.5"))
+    with pytest.raises(ConfigError, match="no gradient at all"):
+        validate(tiny_config("train.bm25_candidates=1", "train.realm_retriever_grad=False"))
+    with pytest.raises(ConfigError, match="train.imitation_weight=-1.0: must be at least 0"):
+        validate(tiny_config("train.bm25_candidates=1", "train.imitation_weight=-1.0"))
+
+
 def test_article_blocks_hold_the_span_in_the_sentences_article(ddir, cands):
     """The copying curriculum's block of each (sentence, span): of the sentence's title, not
     its own block, holding the span's wordpieces as one run; -1 only where no such block is."""
