@@ -20,6 +20,10 @@ checkpoint:
   imitation  the BM25-imitation control: the ICT embedders trained contrastively on
              (masked sentence, BM25's top block) pairs (`ict --config.ict.positives=bm25`) for
              as many steps as the bm25 arm trains its embedders; no reader
+  bm25_imitation  the bm25 arm with the imitation term beside REALM's loss in the same step
+             (train.imitation_weight), the embedders at the imitation control's LR
+  bm25_imitation_alone  its control: the same step with REALM's gradient stopped at the
+             retriever (train.realm_retriever_grad=False), the term alone training the embedders
 
 Every arm's retriever (and ICT's) is then scored zero-shot on the held-out articles' questions
 (configs/orqa.py:squad's dev split: `evaluate --checkpoint initial --retrieval_only`, recall@k
@@ -80,6 +84,26 @@ ARMS = {
         "--config.train.inbatch_negatives=True",
     ],
     "imitation": [f"--config.train.steps={STEPS - READ}", "--config.ict.positives=bm25"],
+    # REALM's loss plus the imitation term in the same step (train.imitation_weight: BM25's top
+    # block the positive of a softmax over the batch's candidates), the bm25 arm's reading
+    # phase, the embedders at the imitation control's LR (ICT's 2e-4: 2 x the reader's)
+    "bm25_imitation": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        f"--config.train.embedders_frozen_steps={READ}",
+        "--config.train.embedders_warmup_steps=20",
+        "--config.train.embedder_lr_scale=2",
+        "--config.train.imitation_weight=1.0",
+    ],
+    # ... its control: the same step, REALM's gradient stopped at the retriever's scores
+    # (train.realm_retriever_grad=False): the embedders learn from the imitation term alone
+    "bm25_imitation_alone": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        f"--config.train.embedders_frozen_steps={READ}",
+        "--config.train.embedders_warmup_steps=20",
+        "--config.train.embedder_lr_scale=2",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.realm_retriever_grad=False",
+    ],
 }
 KS = (5, 20)
 
