@@ -217,6 +217,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # dense retriever starts at chance and REALM's pull is as small as the prior on the right
     # block, imitation brings it among the candidates. Needs train.bm25_candidates >= 1.
     c.train.imitation_weight = 0.0  # weight of the imitation term; 0 = off (the release)
+    # its negatives: "candidates" (every candidate block of the batch: the dense hits, hard)
+    # or "positives" (the batch's BM25 top blocks alone: the imitation control's loss)
+    c.train.imitation_negatives = "candidates"  # "candidates" or "positives" (above)
     # False: REALM's loss trains the reader alone (stop_gradient on the retriever's scores),
     # the embedders learn from the imitation term only: the control for imitation_weight
     c.train.realm_retriever_grad = True  # REALM's gradient reaches the retriever (release)

@@ -97,6 +97,7 @@ SHARED_TRAIN_FIELDS = (
     "train.inbatch_negatives",  # REALM's prior over the batch: ICT has its own in-batch loss
     "train.imitation_weight",  # REALM's imitation term: ICT has ict.positives=bm25
     "train.realm_retriever_grad",  # REALM's gradient on the retriever: ICT has no reader
+    "train.imitation_negatives",  # REALM's imitation term's negatives
 )
 
 
@@ -254,6 +255,7 @@ CHOICES = {
     "data.mask_mode": ("salient", "random_span", "uniform"),  # = data/masking.py MASK_MODES
     "data.eval_mask_mode": ("", "salient", "random_span", "uniform"),  # "" = data.mask_mode
     "train.null_doc": ("scored", "fixed"),  # = pretrain/step.py NULL_DOCS
+    "train.imitation_negatives": ("candidates", "positives"),  # pretrain/step.py imitation_term
     "ict.positives": ("own_block", "bm25"),
     "qa.dev_retriever": ("dense", "bm25", "hybrid"),
     "data.eval_split_key": ("title", "doc_id"),

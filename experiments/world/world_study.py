@@ -22,7 +22,9 @@ imitation_b16 (REALM's batch of 16); realm_from_imitation (REALM's recipe from t
 control's embedders, not ICT's) and realm_from_imitation_lr (at the imitation's LR);
 bm25_imitation (REALM's loss plus the imitation term in one step, train.imitation_weight), its
 controls bm25_imitation_alone (the term alone: REALM's gradient stopped at the retriever) and
-bm25_ict_lr (REALM alone at the same LR); see ARMS.
+bm25_ict_lr (REALM alone at the same LR); bm25_imitation_pos and bm25_imitation_pos_alone,
+the same against the batch's BM25 blocks alone (train.imitation_negatives=positives); see
+ARMS.
 
 --seed N: another world, data order and initialisation (its own README section);
 --summarise_seeds 0,1,2 then writes their mean and range for --arms, running nothing.
@@ -143,6 +145,22 @@ ARMS = {
         f"--config.train.bm25_candidates={BM25_M}",
         "--config.train.embedder_lr_scale=0.6",
         "--config.train.imitation_weight=1.0",
+        "--config.train.realm_retriever_grad=False",
+    ],
+    # bm25_imitation with the imitation control's negatives: the batch's BM25 top blocks alone
+    # (train.imitation_negatives=positives), not its dense hits; imitation_b16 (the control's
+    # loss at this batch, LR and steps, no reader) and bm25_imitation_pos_alone beside it
+    "bm25_imitation_pos": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=0.6",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.imitation_negatives=positives",
+    ],
+    "bm25_imitation_pos_alone": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=0.6",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.imitation_negatives=positives",
         "--config.train.realm_retriever_grad=False",
     ],
     # ... and REALM alone: the same candidates and LR, no imitation term

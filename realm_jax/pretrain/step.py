@@ -176,7 +176,7 @@ def inbatch_scores(q_emb, hits, ids, own_block):
     return jnp.where(keep, scores, ABSENT)
 
 
-def imitation_term(q_emb, hits, ids, positive, own_block):
+def imitation_term(q_emb, hits, ids, positive, own_block, positives_only: bool = False):
     """The BM25-imitation term (train.imitation_weight; not in the release, issue 46): each
     query's second retriever's top block `positive` [B] (BM25's, the batch's raw extra_ids
     [:, 0]; -1 none) ranked by a softmax over the batch's candidate blocks, the dense and the
@@ -184,14 +184,17 @@ def imitation_term(q_emb, hits, ids, positive, own_block):
     deduplicated (a block's first place in the batch), the query's own block excluded as
     retrieval excludes it. As the imitation control's loss (ict.positives=bm25) but ranked
     against the batch's retrieved blocks, hard negatives, not only the other sentences'
-    positives. Returns (mean cross-entropy over the queries that have a positive, their
-    accuracy: the positive scored above every other column)."""
+    positives; with positives_only (train.imitation_negatives="positives") against the batch's
+    positives alone, the control's loss. Returns (mean cross-entropy over the queries that
+    have a positive, their accuracy: the positive scored above every other column)."""
     B, k, D = hits.shape
     flat_ids = ids.reshape(B * k)
     col = jnp.arange(B * k)
     same = flat_ids[:, None] == flat_ids[None, :]  # [Bk, Bk]
     first = ~(same & (col[None, :] < col[:, None])).any(1) & (flat_ids >= 0)  # [Bk]
     keep = first[None, :] & (flat_ids[None, :] != own_block[:, None])  # [B, Bk]
+    if positives_only:  # the batch's positives alone: the imitation control's negatives
+        keep &= (flat_ids[:, None] == positive[None, :]).any(1)[None, :]
     scores = jnp.where(keep, q_emb @ hits.reshape(B * k, D).T, ABSENT).astype(jnp.float32)
     at = first[None, :] & (flat_ids[None, :] == positive[:, None])  # [B, Bk]: one column
     has = (at.any(1) & (positive >= 0) & (positive != own_block)).astype(jnp.float32)
@@ -318,14 +321,15 @@ def retrieve_and_read(
     inject=None,
     fixed_null: bool = False,
     inbatch: bool = False,
-    imitation: bool = False,
+    imitation: str = "",
 ):
     """`retrieve` then `read_candidates`, with a batch's extra_ids (a second retriever's
     blocks) joined: (relevance [B, K], features [B, K, P, H], word embeddings [V, H], decoder
     bias [V], retrieved ids [B, K-1], candidate tokens [B, K, Lb], and a dict of the batch
     terms: with inbatch "outside", the scores against the other queries' candidates
-    [B, B(K-1)] (inbatch_scores); with imitation "imitation", imitation_term's (loss,
-    accuracy) for extra_ids[:, 0])."""
+    [B, B(K-1)] (inbatch_scores); with imitation ("candidates" or "positives",
+    train.imitation_negatives) "imitation", imitation_term's (loss, accuracy) for
+    extra_ids[:, 0])."""
     q_emb, hits, relevance, cands, ids = retrieve_embedded(
         params,
         batch,
@@ -349,7 +353,8 @@ def retrieve_and_read(
         terms["outside"] = inbatch_scores(q_emb, hits, ids, own)
     if imitation:
         positive = batch["extra_ids"][:, 0].astype(ids.dtype)
-        terms["imitation"] = imitation_term(q_emb, hits, ids, positive, own)
+        alone = imitation == "positives"
+        terms["imitation"] = imitation_term(q_emb, hits, ids, positive, own, alone)
     return relevance, features, table, bias, ids, cands, terms
 
 
@@ -370,6 +375,7 @@ def realm_loss(
     inbatch: bool = False,
     imitation_weight: float = 0.0,
     retriever_grad: bool = True,
+    imitation_negatives: str = "candidates",
 ):
     """REALM's marginal loss for one batch; returns (loss, metrics). Dropout when rng given.
     inbatch (train.inbatch_negatives): the prior normalised over the other queries'
@@ -380,6 +386,7 @@ def realm_loss(
     (train.realm_retriever_grad): REALM's loss reaches the retriever's scores under
     stop_gradient, so the embedders learn from the imitation term alone, the reader from
     REALM's loss over the same candidates: the in-step imitation control.
+    imitation_negatives: the term's columns, "candidates" (the batch's) or "positives".
     A batch's "inject" [B] puts those blocks among the candidates (retrieve); its
     "extra_ids" [B, m] joins a second retriever's blocks to them (train.bm25_candidates);
     its "doc_block" [B] (a separate text's document's block, -1 none) is only measured:
@@ -402,7 +409,7 @@ def realm_loss(
         inject=batch.get("inject"),
         fixed_null=fixed_null,
         inbatch=inbatch,
-        imitation=imitation_weight > 0,
+        imitation=imitation_negatives if imitation_weight > 0 else "",
     )  # features [B, K, P, H]
     outside = terms.get("outside")
     if not retriever_grad:  # the in-step imitation control: REALM trains the reader alone
@@ -591,6 +598,7 @@ def train_step(
     inbatch: bool = False,
     imitation_weight: float = 0.0,
     retriever_grad: bool = True,
+    imitation_negatives: str = "candidates",
 ):
     """One optimizer step; returns (new state, metrics). own_block_steps: before that step
     the masked sentence's own block is not excluded from retrieval, and a separate text's
@@ -634,6 +642,7 @@ def train_step(
         inbatch=inbatch,
         imitation_weight=imitation_weight,
         retriever_grad=retriever_grad,
+        imitation_negatives=imitation_negatives,
     )
     if grad_accum > 1:
         grads, metrics = accumulated_grads(
@@ -677,6 +686,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         inbatch=bool(config.train.get("inbatch_negatives", False)),
         imitation_weight=float(config.train.get("imitation_weight", 0.0)),
         retriever_grad=bool(config.train.get("realm_retriever_grad", True)),
+        imitation_negatives=config.train.get("imitation_negatives", "candidates"),
     )
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(

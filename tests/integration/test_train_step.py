@@ -1092,10 +1092,13 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
     extra = np.stack([np.roll(own, -1), pairs], 1).astype(np.int32)
     extra[0, 0] = -1  # a sentence BM25 found nothing for: no term
     g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
-    out = jax.jit(
-        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length, imitation=True)
-    )(state.params, g, *index)
+    read = jax.jit(
+        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length),
+        static_argnames="imitation",
+    )
+    out = read(state.params, g, *index, imitation="candidates")
     ids, (got_loss, got_acc) = np.asarray(out[4]), out[6]["imitation"]
+    pos_loss, pos_acc = read(state.params, g, *index, imitation="positives")[6]["imitation"]
     all_tok = jnp.asarray(tokens)
     d = np.asarray(
         model.apply(
@@ -1111,17 +1114,24 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
         jax.jit(functools.partial(pretrain_step.retrieve, **kw))(state.params, g, *index)[0],
         np.float64,
     )
-    columns = sorted({int(i) for i in ids.ravel() if i >= 0})
-    ce, right = [], []
-    for b in range(1, B):
-        cols = [i for i in columns if i != own[b]]
-        s = np.array([q[b] @ d[i] for i in cols])
-        pos = cols.index(int(extra[b, 0]))
-        ce.append(np.log(np.exp(s - s.max()).sum()) + s.max() - s[pos])
-        right.append(np.argmax(s) == pos)
+
+    def term(columns):
+        ce, right = [], []
+        for b in range(1, B):
+            cols = [i for i in sorted(columns) if i != own[b]]
+            s = np.array([q[b] @ d[i] for i in cols])
+            pos = cols.index(int(extra[b, 0]))
+            ce.append(np.log(np.exp(s - s.max()).sum()) + s.max() - s[pos])
+            right.append(np.argmax(s) == pos)
+        return np.mean(ce), np.mean(right)
+
     assert any(own[b] in ids[b - 1] for b in range(1, B))  # the own-block exclusion matters
-    np.testing.assert_allclose(float(got_loss), np.mean(ce), rtol=1e-4)
-    np.testing.assert_allclose(float(got_acc), np.mean(right), atol=1e-6)
+    want = term({int(i) for i in ids.ravel() if i >= 0})
+    np.testing.assert_allclose([float(got_loss), float(got_acc)], want, rtol=1e-4, atol=1e-6)
+    # "positives": the batch's BM25 top blocks alone are the columns (the control's loss)
+    want = term({int(i) for i in extra[:, 0] if i >= 0})
+    np.testing.assert_allclose([float(pos_loss), float(pos_acc)], want, rtol=1e-4, atol=1e-6)
+    assert float(pos_loss) < float(got_loss)  # fewer columns
 
 
 def test_imitation_weight_adds_its_gradient_and_its_control_stops_realms(setup):

@@ -161,6 +161,8 @@ def test_imitation_term_needs_bm25_candidates_and_a_gradient_for_the_embedders()
         validate(tiny_config("train.imitation_weight=0.5"))
     with pytest.raises(ConfigError, match="no gradient at all"):
         validate(tiny_config("train.bm25_candidates=1", "train.realm_retriever_grad=False"))
+    with pytest.raises(ConfigError, match="train.imitation_negatives='hard': must be one of"):
+        validate(tiny_config("train.bm25_candidates=1", "train.imitation_negatives=hard"))
     with pytest.raises(ConfigError, match="train.imitation_weight=-1.0: must be at least 0"):
         validate(tiny_config("train.bm25_candidates=1", "train.imitation_weight=-1.0"))
 
