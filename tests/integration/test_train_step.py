@@ -957,6 +957,23 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
     np.testing.assert_allclose(float(joined["span_in_candidates"]), holds(all_ids)[masked].mean())
 
 
+def embedded_apart(model, params, tokens, batch, index, kw):
+    """(every block's embedding [N, D], the batch's query embeddings [B, D]) in float64,
+    computed apart from the step: embed_doc of each block, `retrieve`'s query embedding."""
+    from realm_jax.model.realm import RealmModel
+
+    all_tok = jnp.asarray(tokens)
+    d = model.apply(
+        {"params": params},
+        all_tok,
+        inputs.block_segments(all_tok),
+        (all_tok != 0).astype(jnp.int32),
+        method=RealmModel.embed_doc,
+    )
+    q = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(params, batch, *index)[0]
+    return np.asarray(d, np.float64), np.asarray(q, np.float64)
+
+
 def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(setup):
     """train.inbatch_negatives: REALM's loss with each query's prior normalised over its own K
     candidates and the batch's other retrieved blocks (deduplicated, none of its own
@@ -965,7 +982,7 @@ def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(set
     (embed_doc of every block).
     The batch's extra blocks put another row's own block and a block repeated across rows among
     the candidates, so the trivial-retrieval exclusion and the deduplication both matter."""
-    from realm_jax.model.realm import RealmModel, tied_decoder_logits
+    from realm_jax.model.realm import tied_decoder_logits
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
@@ -990,21 +1007,7 @@ def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(set
     log_py = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     tgt, w = batch["mlm_targets"], batch["mlm_weights"]
     log_py = np.take_along_axis(log_py, tgt[:, None, :, None], -1)[..., 0]  # [B, K, P]
-    all_tok = jnp.asarray(tokens)
-    d = np.asarray(
-        model.apply(
-            {"params": state.params},
-            all_tok,
-            inputs.block_segments(all_tok),
-            (all_tok != 0).astype(jnp.int32),
-            method=RealmModel.embed_doc,
-        ),
-        np.float64,
-    )  # [N, D]
-    q = np.asarray(
-        jax.jit(functools.partial(pretrain_step.retrieve, **kw))(state.params, g, *index)[0],
-        np.float64,
-    )
+    d, q = embedded_apart(model, state.params, tokens, g, index, kw)
     total, n, excluded_own, mass = 0.0, 0.0, 0, []
     for b in range(B):
         mine = {int(i) for i in ids[b] if i >= 0}
@@ -1076,7 +1079,6 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
     query's own block excluded, against numpy from embeddings computed apart (embed_doc of
     every block). Row b's positive is row b+1's own block, so it is excluded there; a pool
     block joins two rows, so the deduplication matters."""
-    from realm_jax.model.realm import RealmModel
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
@@ -1099,21 +1101,7 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
     out = read(state.params, g, *index, imitation="candidates")
     ids, (got_loss, got_acc) = np.asarray(out[4]), out[6]["imitation"]
     pos_loss, pos_acc = read(state.params, g, *index, imitation="positives")[6]["imitation"]
-    all_tok = jnp.asarray(tokens)
-    d = np.asarray(
-        model.apply(
-            {"params": state.params},
-            all_tok,
-            inputs.block_segments(all_tok),
-            (all_tok != 0).astype(jnp.int32),
-            method=RealmModel.embed_doc,
-        ),
-        np.float64,
-    )  # [N, D]
-    q = np.asarray(
-        jax.jit(functools.partial(pretrain_step.retrieve, **kw))(state.params, g, *index)[0],
-        np.float64,
-    )
+    d, q = embedded_apart(model, state.params, tokens, g, index, kw)
 
     def term(columns):
         ce, right = [], []
