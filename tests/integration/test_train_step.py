@@ -957,6 +957,22 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
     np.testing.assert_allclose(float(joined["span_in_candidates"]), holds(all_ids)[masked].mean())
 
 
+def with_extras(setup):
+    """(a fresh state, retrieve's keywords, the batch's own blocks, extra_ids [B, 2]): row b's
+    second retriever's blocks are row b+1's own block and a block no query retrieves, each
+    such block joining two rows (the trivial-retrieval exclusion and the deduplication)."""
+    config, mesh, model, _, _, _, emb, _, index, batch = setup
+    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
+    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    own = batch["block_id"]
+    _, _, _, plain = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(
+        state.params, sharding.global_batch(batch, mesh), *index
+    )
+    pool = [i for i in range(len(emb)) if i not in np.asarray(plain) and i not in own]
+    pairs = np.asarray([pool[b // 2] for b in range(len(own))])
+    return state, kw, own, np.stack([np.roll(own, -1), pairs], 1).astype(np.int32)
+
+
 def embedded_apart(model, params, tokens, batch, index, kw):
     """(every block's embedding [N, D], the batch's query embeddings [B, D]) in float64,
     computed apart from the step: embed_doc of each block, `retrieve`'s query embedding."""
@@ -985,18 +1001,8 @@ def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(set
     from realm_jax.model.realm import tied_decoder_logits
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
-    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
-    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
-    length = inputs.joint_len(config)
-    own = batch["block_id"]
-    B = len(own)
-    _, _, _, plain = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(
-        state.params, sharding.global_batch(batch, mesh), *index
-    )
-    plain = np.asarray(plain)
-    pool = [i for i in range(len(emb)) if i not in plain and i not in own]
-    pairs = np.asarray([pool[b // 2] for b in range(B)])  # each block joins two rows
-    extra = np.stack([np.roll(own, -1), pairs], 1).astype(np.int32)
+    state, kw, own, extra = with_extras(setup)
+    length, B = inputs.joint_len(config), len(own)
     g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
     rel, feats, table, bias, ids, cands, _ = jax.jit(
         functools.partial(pretrain_step.retrieve_and_read, **kw, length=length)
@@ -1081,17 +1087,8 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
     block joins two rows, so the deduplication matters."""
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
-    _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
-    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
-    length = inputs.joint_len(config)
-    own = batch["block_id"]
-    B = len(own)
-    _, _, _, plain = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(
-        state.params, sharding.global_batch(batch, mesh), *index
-    )
-    pool = [i for i in range(len(emb)) if i not in np.asarray(plain) and i not in own]
-    pairs = np.asarray([pool[b // 2] for b in range(B)])
-    extra = np.stack([np.roll(own, -1), pairs], 1).astype(np.int32)
+    state, kw, own, extra = with_extras(setup)
+    length, B = inputs.joint_len(config), len(own)
     extra[0, 0] = -1  # a sentence BM25 found nothing for: no term
     g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
     read = jax.jit(
