@@ -215,7 +215,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # sentence as the positive, ranked against the batch's candidate blocks (deduplicated, the
     # own block excluded; pretrain/step.py imitation_term), in the same jitted step: where the
     # dense retriever starts at chance and REALM's pull is as small as the prior on the right
-    # block, imitation brings it among the candidates. Needs train.bm25_candidates >= 1.
+    # block, imitation is meant to bring it among the candidates. Measured at batch 16 (both
+    # studies' READMEs, issue 46): no better than the term alone, below ICT's start on SQuAD.
+    # Needs train.bm25_candidates >= 1.
     c.train.imitation_weight = 0.0  # weight of the imitation term; 0 = off (the release)
     # its negatives: "candidates" (every candidate block of the batch: the dense hits, hard)
     # or "positives" (the batch's BM25 top blocks alone: the imitation control's loss)
