@@ -23,8 +23,9 @@ control's embedders, not ICT's) and realm_from_imitation_lr (at the imitation's 
 bm25_imitation (REALM's loss plus the imitation term in one step, train.imitation_weight), its
 controls bm25_imitation_alone (the term alone: REALM's gradient stopped at the retriever) and
 bm25_ict_lr (REALM alone at the same LR); bm25_imitation_pos and bm25_imitation_pos_alone,
-the same against the batch's BM25 blocks alone (train.imitation_negatives=positives); see
-ARMS.
+the same against the batch's BM25 blocks alone (train.imitation_negatives=positives), and
+both at the imitation control's total LR (bm25_imitation_pos_lr, bm25_imitation_pos_alone_lr)
+and at its batch of 64 (bm25_imitation_pos_b64, bm25_imitation_pos_alone_b64); see ARMS.
 
 --seed N: another world, data order and initialisation (its own README section);
 --summarise_seeds 0,1,2 then writes their mean and range for --arms, running nothing.
@@ -162,6 +163,51 @@ ARMS = {
         "--config.train.imitation_weight=1.0",
         "--config.train.imitation_negatives=positives",
         "--config.train.realm_retriever_grad=False",
+    ],
+    # the same two at the imitation control's total LR: REALM's embedders train over its
+    # decaying second half (about 0.024 x the scale, summed over steps 200-400), the control
+    # over its own warmup and decay (0.03 summed): 1.25 x the reader's LR matches them, its
+    # peak (3.3e-4 at step 200) near the control's 3e-4
+    "bm25_imitation_pos_lr": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=1.25",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.imitation_negatives=positives",
+    ],
+    "bm25_imitation_pos_alone_lr": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.embedder_lr_scale=1.25",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.imitation_negatives=positives",
+        "--config.train.realm_retriever_grad=False",
+    ],
+    # bm25_imitation_pos and its _alone control at the imitation control's batch (64) and
+    # embedder steps (200; the curriculum and the reading phase 50 steps, as
+    # bm25_copy_inbatch_b64), the embedders' LR summed over their steps the control's (0.77 x
+    # the reader's: 0.039 x the scale against 0.03): whether REALM's gradient adds to the term
+    # where the term alone learns (the imitation arm: 41.4% recall@5)
+    "bm25_imitation_pos_b64": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.batch_size=64",
+        "--config.train.steps=250",
+        "--config.train.own_block_steps=50",
+        "--config.train.embedders_frozen_steps=50",
+        "--config.train.embedder_lr_scale=0.77",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.imitation_negatives=positives",
+        "--config.train.stall_floor_s=1800",
+    ],
+    "bm25_imitation_pos_alone_b64": [
+        f"--config.train.bm25_candidates={BM25_M}",
+        "--config.train.batch_size=64",
+        "--config.train.steps=250",
+        "--config.train.own_block_steps=50",
+        "--config.train.embedders_frozen_steps=50",
+        "--config.train.embedder_lr_scale=0.77",
+        "--config.train.imitation_weight=1.0",
+        "--config.train.imitation_negatives=positives",
+        "--config.train.realm_retriever_grad=False",
+        "--config.train.stall_floor_s=1800",
     ],
     # ... and REALM alone: the same candidates and LR, no imitation term
     "bm25_ict_lr": [
