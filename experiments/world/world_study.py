@@ -60,6 +60,24 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 PLOT = os.path.join(REPO, "docs", "tutorial_world.png")
 REALM, ICT = "configs/realm.py:world", "configs/ict.py:world"
 BM25_M = 4  # BM25 candidates a masked sentence in the bm25 arms
+# bm25_imitation_pos at the imitation control's summed LR, and at its batch of 64 (ARMS)
+POS_LR = [
+    f"--config.train.bm25_candidates={BM25_M}",
+    "--config.train.embedder_lr_scale=1.25",
+    "--config.train.imitation_weight=1.0",
+    "--config.train.imitation_negatives=positives",
+]
+POS_B64 = [
+    f"--config.train.bm25_candidates={BM25_M}",
+    "--config.train.batch_size=64",
+    "--config.train.steps=250",
+    "--config.train.own_block_steps=50",
+    "--config.train.embedders_frozen_steps=50",
+    "--config.train.embedder_lr_scale=0.77",
+    "--config.train.imitation_weight=1.0",
+    "--config.train.imitation_negatives=positives",
+    "--config.train.stall_floor_s=1800",
+]
 ARMS = {
     "realm": [],
     "frozen": ["--config.train.embedders_frozen_steps=400"],
@@ -168,47 +186,15 @@ ARMS = {
     # decaying second half (about 0.024 x the scale, summed over steps 200-400), the control
     # over its own warmup and decay (0.03 summed): 1.25 x the reader's LR matches them, its
     # peak (3.3e-4 at step 200) near the control's 3e-4
-    "bm25_imitation_pos_lr": [
-        f"--config.train.bm25_candidates={BM25_M}",
-        "--config.train.embedder_lr_scale=1.25",
-        "--config.train.imitation_weight=1.0",
-        "--config.train.imitation_negatives=positives",
-    ],
-    "bm25_imitation_pos_alone_lr": [
-        f"--config.train.bm25_candidates={BM25_M}",
-        "--config.train.embedder_lr_scale=1.25",
-        "--config.train.imitation_weight=1.0",
-        "--config.train.imitation_negatives=positives",
-        "--config.train.realm_retriever_grad=False",
-    ],
+    "bm25_imitation_pos_lr": POS_LR,
+    "bm25_imitation_pos_alone_lr": [*POS_LR, "--config.train.realm_retriever_grad=False"],
     # bm25_imitation_pos and its _alone control at the imitation control's batch (64) and
     # embedder steps (200; the curriculum and the reading phase 50 steps, as
     # bm25_copy_inbatch_b64), the embedders' LR summed over their steps the control's (0.77 x
     # the reader's: 0.039 x the scale against 0.03): whether REALM's gradient adds to the term
     # where the term alone learns (the imitation arm: 41.4% recall@5)
-    "bm25_imitation_pos_b64": [
-        f"--config.train.bm25_candidates={BM25_M}",
-        "--config.train.batch_size=64",
-        "--config.train.steps=250",
-        "--config.train.own_block_steps=50",
-        "--config.train.embedders_frozen_steps=50",
-        "--config.train.embedder_lr_scale=0.77",
-        "--config.train.imitation_weight=1.0",
-        "--config.train.imitation_negatives=positives",
-        "--config.train.stall_floor_s=1800",
-    ],
-    "bm25_imitation_pos_alone_b64": [
-        f"--config.train.bm25_candidates={BM25_M}",
-        "--config.train.batch_size=64",
-        "--config.train.steps=250",
-        "--config.train.own_block_steps=50",
-        "--config.train.embedders_frozen_steps=50",
-        "--config.train.embedder_lr_scale=0.77",
-        "--config.train.imitation_weight=1.0",
-        "--config.train.imitation_negatives=positives",
-        "--config.train.realm_retriever_grad=False",
-        "--config.train.stall_floor_s=1800",
-    ],
+    "bm25_imitation_pos_b64": POS_B64,
+    "bm25_imitation_pos_alone_b64": [*POS_B64, "--config.train.realm_retriever_grad=False"],
     # ... and REALM alone: the same candidates and LR, no imitation term
     "bm25_ict_lr": [
         f"--config.train.bm25_candidates={BM25_M}",
