@@ -72,6 +72,38 @@ def test_paired_retrieval_counts_and_sign_test_by_hand():
     assert "| exact match |" in table([("base", base), ("other", other)], EXACT_MATCH)
 
 
+def test_seeds_exact_match_tests_starts_over_seeds_by_hand():
+    """experiments/tools/seeds_exact_match.py: Welch's t-test against the closed form of
+    Student's t with 4 degrees of freedom, and the per-seed table from hand-counted records."""
+    import math
+
+    import pytest
+
+    from experiments.tools.seeds_exact_match import table, welch
+
+    # 1,2,3 against 4,5,6: t = 3 / sqrt(1/3 + 1/3), Welch's df = 4 exactly; for df 4,
+    # P(T <= t) = 1/2 + 3/4 x (1 - x^2 / 3) with x = t / sqrt(4 + t^2)
+    t, p = welch([1, 2, 3], [4, 5, 6])
+    assert t == pytest.approx(3 / math.sqrt(2 / 3))
+    x = t / math.sqrt(4 + t * t)
+    assert p == pytest.approx(2 * (1 - (0.5 + 0.75 * x * (1 - x * x / 3))))
+    assert math.isnan(welch([1.0], [2.0, 3.0])[1]) and math.isnan(welch([1, 1], [2, 2])[1])
+
+    def run(*correct):
+        return [{"question": str(i), "correct": c} for i, c in enumerate(correct)]
+
+    # four questions; start A's seeds answer 1 and 2 of them, B's 3 and 4
+    a = [run(1, 0, 0, 0), run(1, 1, 0, 0)]
+    b = [run(1, 1, 1, 0), run(1, 1, 1, 1)]
+    body = table([("A", a), ("B", b)])
+    # A: 25, 50 -> mean 37.5, sd 17.7; B: 75, 100; seeds 1 vs 2 of A: 1 gained, 0 lost
+    assert "| A | 2 | 25.0, 50.0 | 37.5 (17.7) | - | - | 1 / 0, 1 |" in body
+    _, p = welch([25, 50], [75, 100])
+    assert f"| B | 2 | 75.0, 100.0 | 87.5 (17.7) | +50.0 | {p:.2g} | 1 / 0, 1 |" in body
+    with pytest.raises(ValueError, match="different question counts"):
+        table([("A", a), ("B", [run(1, 0, 0)])])
+
+
 def test_gradient_noise_scale_recovers_a_known_signal_and_noise():
     import numpy as np
     import pytest
