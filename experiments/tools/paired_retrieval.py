@@ -125,6 +125,20 @@ def table(named: list[tuple[str, list[dict]]], k: int) -> str:
     return "\n".join(lines)
 
 
+def command_line(script: str, argv: list[str]) -> str:
+    """The command that wrote a section, as a reader would retype it: the arguments quoted
+    where they hold a space, without --note (its text is printed above the command)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            kept.append(f'"{a}"' if " " in a else a)
+    return " ".join([f"python {script}"] + kept)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="NAME=PREDICTIONS.jsonl: the reference")
@@ -156,9 +170,7 @@ def main() -> int:
         return 2
     print(body)
     if args.section:
-        command = "python experiments/tools/paired_retrieval.py " + " ".join(
-            f'"{a}"' if " " in a else a for a in sys.argv[1:]
-        )
+        command = command_line("experiments/tools/paired_retrieval.py", sys.argv[1:])
         text = (args.note + "\n\n" if args.note else "") + f"`{command}`\n\n{body}"
         write_section(args.section, text, doc=args.doc)
     return 0

@@ -33,7 +33,12 @@ if REPO not in sys.path:  # run as a script: the repo root, so the sibling packa
     sys.path.insert(0, REPO)
 
 from benchmarks._report import write_section  # noqa: E402
-from experiments.tools.paired_retrieval import EXACT_MATCH, compare, load  # noqa: E402
+from experiments.tools.paired_retrieval import (  # noqa: E402
+    EXACT_MATCH,
+    command_line,
+    compare,
+    load,
+)
 
 
 def welch(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -139,9 +144,7 @@ def main() -> int:
     text = "\n\n".join(bodies)
     print(text)
     if args.section:
-        command = "python experiments/tools/seeds_exact_match.py " + " ".join(
-            f'"{a}"' if " " in a else a for a in sys.argv[1:]
-        )
+        command = command_line("experiments/tools/seeds_exact_match.py", sys.argv[1:])
         head = (args.note + "\n\n" if args.note else "") + f"`{command}`\n\n"
         write_section(args.section, head + text, doc=args.doc)
     return 0

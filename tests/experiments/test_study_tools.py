@@ -70,6 +70,11 @@ def test_paired_retrieval_counts_and_sign_test_by_hand():
     c = compare(base, other, EXACT_MATCH)
     assert (c["gained"], c["lost"], c["recall"]) == (2, 0, 1.0) and c["p"] == 0.5
     assert "| exact match |" in table([("base", base), ("other", other)], EXACT_MATCH)
+    # the command a section prints: quoted where spaced, without --note's text
+    from experiments.tools.paired_retrieval import command_line
+
+    argv = ["--base", "ICT only=a.jsonl", "--note", "some text", "b=b.jsonl", "--note=x"]
+    assert command_line("t.py", argv) == 'python t.py --base "ICT only=a.jsonl" b=b.jsonl'
 
 
 def test_seeds_exact_match_tests_starts_over_seeds_by_hand():
