@@ -139,6 +139,27 @@ def command_line(script: str, argv: list[str]) -> str:
     return " ".join([f"python {script}"] + kept)
 
 
+def add_section_args(ap: argparse.ArgumentParser, what: str = "table") -> None:
+    """--section, --doc and --note: where a tool writes its `what` (a study's README)."""
+    ap.add_argument("--section", default="", help=f"write the {what} as this section of --doc")
+    ap.add_argument("--doc", default="", help="the study's README.md that --section goes to")
+    ap.add_argument("--note", default="", help=f"text written above the {what} in the section")
+
+
+def named_items(ap: argparse.ArgumentParser, args, form: str) -> list[tuple[str, str]]:
+    """[(NAME, VALUE)] from --base and the positional items (each NAME=VALUE, `form` in the
+    error), after checking that --section comes with --doc."""
+    if args.section and not args.doc:
+        ap.error("--section needs --doc (the study's README.md)")
+    named = []
+    for item in [args.base] + args.others:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            ap.error(f"expected {form}, got {item!r}")
+        named.append((name, value))
+    return named
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="NAME=PREDICTIONS.jsonl: the reference")
@@ -149,17 +170,10 @@ def main() -> int:
         action="store_true",
         help="compare exact match (the records' `correct`: fine-tuned evaluations) instead",
     )
-    ap.add_argument("--section", default="", help="write the table as this section of --doc")
-    ap.add_argument("--doc", default="", help="the study's README.md that --section goes to")
-    ap.add_argument("--note", default="", help="text written above the table in the section")
+    add_section_args(ap)
     args = ap.parse_args()
-    if args.section and not args.doc:
-        ap.error("--section needs --doc (the study's README.md)")
     named = []
-    for item in [args.base] + args.others:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            ap.error(f"expected NAME=PREDICTIONS.jsonl, got {item!r}")
+    for name, path in named_items(ap, args, "NAME=PREDICTIONS.jsonl"):
         if not os.path.exists(path):
             ap.error(f"{name}: no predictions file at {path}")
         named.append((name, load(path)))

@@ -35,9 +35,11 @@ if REPO not in sys.path:  # run as a script: the repo root, so the sibling packa
 from benchmarks._report import write_section  # noqa: E402
 from experiments.tools.paired_retrieval import (  # noqa: E402
     EXACT_MATCH,
+    add_section_args,
     command_line,
     compare,
     load,
+    named_items,
 )
 
 
@@ -112,18 +114,9 @@ def main() -> int:
     ap.add_argument(
         "--retrievers", default="dense", help="comma-separated values of {R} in the paths"
     )
-    ap.add_argument("--section", default="", help="write the tables as this section of --doc")
-    ap.add_argument("--doc", default="", help="the study's README.md that --section goes to")
-    ap.add_argument("--note", default="", help="text written above the tables in the section")
+    add_section_args(ap, "tables")
     args = ap.parse_args()
-    if args.section and not args.doc:
-        ap.error("--section needs --doc (the study's README.md)")
-    specs = []
-    for item in [args.base] + args.others:
-        name, sep, paths = item.partition("=")
-        if not sep or not name or not paths:
-            ap.error(f"expected NAME=P1,P2,..., got {item!r}")
-        specs.append((name, paths.split(",")))
+    specs = [(name, paths.split(",")) for name, paths in named_items(ap, args, "NAME=P1,P2,...")]
     bodies = []
     for retriever in args.retrievers.split(","):
         groups = []
