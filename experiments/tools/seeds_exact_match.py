@@ -11,8 +11,8 @@ the same questions in the same order; `{R}` in a path stands for each of --retri
 
 experiments/tools/paired_retrieval.py's sign test treats the questions as the units: it asks
 whether two *models* differ, and two fine-tuning seeds of one start already do (the bm25 arm's
-two seeds: 9.7% and 5.0% exact match reading BM25's top 5, p < 1e-11). Whether two *starts*
-differ needs the fine-tuning seed as the unit. This script reports each start's exact match
+two seeds: 9.7% and 5.0% exact match reading BM25's top 5, sign test p = 8e-36). Whether two
+*starts* differ needs the fine-tuning seed as the unit. This script reports each start's exact match
 per seed, their mean and standard deviation, the difference of each start's mean from the
 base's with Welch's t-test over seeds (two-sided), and, within each start, the sign test
 between its two most different seeds: how strongly one question-level test "finds" a
