@@ -154,6 +154,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.axes = ("data", "model")  # mesh axis names
     c.mesh.shape = (-1, 1)  # sizes; -1 = all remaining devices
     c.mesh.fsdp = False  # shard parameters and optimizer state over 'data' too (FSDP)
+    # The exact MIPS search (ops/mips.py): each device scores its index rows this many at a
+    # time, a running top-k, so it holds [batch, chunk] float32 scores, never [batch, N/devices]
+    # (6.8 GB a chip at the paper's scale on 4 chips). Ids as with the whole shard at once.
+    c.mesh.mips_chunk = 65536  # index rows a device scores at once; 0 = its whole shard
 
     # ---------------------------------------------------------------- train
     c.train = ml_collections.ConfigDict()
@@ -239,6 +243,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.eval_batch_size = eval_batch  # global batch of an evaluation
     c.train.eval_examples = 256 if variant == "smoke" else 1024  # held-out examples used (0 all)
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
+    # several processes: steps between the collective stop checks (and at every checkpoint)
+    c.train.stop_check_every = 10  # a stop waits at most this many steps; 1 process: each step
     c.train.max_nonfinite = 5  # non-finite steps in a row (skipped) before the run stops
     # The progress watchdog (watchdog.py): no step completed within the bound -> every
     # thread's stack to the log and exit 75, so a restart resumes. 0 = automatic: max(floor,

@@ -1,17 +1,17 @@
 """Exact maximum inner product search over a row-sharded document index, on device.
 
 Each device scores the queries against its own rows, keeps a local top-k, and the candidates
-of all devices are gathered and merged (shard_map). The same pass fetches the retrieved
-blocks' token ids from the row-sharded token table: each device contributes the rows it owns
-and a psum assembles them. We keep tokens on device rather than fetching them on the host
-between two jitted calls. Measured (benchmarks/token_fetch.py, docs/benchmarks.md): on 8 fake CPU
-devices with a SQuAD-sized table (19,706 x 288) both paths cost the same (12.9 vs 12.1 ms per
-batch of 64), as expected where host and device share memory; so the choice rests on what the
-host path adds on
-an accelerator pod: a device->host->device round trip inside every step, the step split into
-two programs, and every host holding the whole token table. On device the table costs
-int32 x block_len per row spread over all devices (13.35M x 288 blocks is 15 GB, 30 MB per
-chip on a 512-chip pod).
+of all devices are gathered and merged (shard_map). A device scores its rows in chunks (a
+running top-k, config mesh.mips_chunk), so it never holds [B, N / devices] scores at once.
+The same pass fetches the retrieved blocks' token ids from the row-sharded token table: each
+device contributes the rows it owns and a psum assembles them. We keep tokens on device rather
+than fetching them on the host between two jitted calls. Measured (benchmarks/token_fetch.py,
+docs/benchmarks.md): on 8 fake CPU devices with a SQuAD-sized table (19,706 x 288) both paths
+cost the same (12.9 vs 12.1 ms per batch of 64), as expected where host and device share
+memory; so the choice rests on what the host path adds on an accelerator pod: a
+device->host->device round trip inside every step, the step split into two programs, and every
+host holding the whole token table. On device the table costs int32 x block_len per row spread
+over all devices (13.35M x 288 blocks is 15 GB, 30 MB per chip on a 512-chip pod).
 """
 
 from __future__ import annotations
@@ -23,19 +23,84 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-NEG_INF = -1e30
+NEG_INF = -1e30  # the score of an invalid or excluded row (a real score is always above it)
+# Rows each device scores at once (config mesh.mips_chunk): a device holds [B, chunk] float32
+# scores, never [B, N / devices] (13.35M blocks, batch 512, 4 chips: 6.8 GB). 0 = the whole
+# shard in one matmul. set_default_chunk() changes it for calls that pass no `chunk`.
+DEFAULT_CHUNK = 65536
+_default_chunk = DEFAULT_CHUNK
 
 
-def _local_topk(q, emb, exclude, *, k, num_valid, axes):
-    """q [B, D] (all queries), emb [n, D] (this device's rows), exclude [B]."""
-    n_local = emb.shape[0]
-    offset = jax.lax.axis_index(axes) * n_local
-    ids = offset + jnp.arange(n_local, dtype=jnp.int32)  # [n]
-    scores = jnp.einsum("bd,nd->bn", q.astype(jnp.float32), emb.astype(jnp.float32))
+def set_default_chunk(chunk: int) -> None:
+    """The chunk every later search without its own `chunk` uses (read when it is traced)."""
+    global _default_chunk
+    if chunk < 0:
+        raise ValueError(f"mips chunk must be 0 (whole shard) or positive, got {chunk}")
+    _default_chunk = int(chunk)
+
+
+def _chunking(n: int, chunk: int) -> tuple[int, int]:
+    """(rows per chunk, number of chunks) for n local rows: chunks of at most `chunk` rows,
+    as even as possible, so the shifted-back last one repeats fewer than `count` rows."""
+    if chunk <= 0 or chunk >= n:
+        return n, 1
+    count = -(-n // chunk)
+    return -(-n // count), count
+
+
+def _select(scores, k: int, recall_target: float | None):
+    """Top k of scores [B, n] along n: exact (lax.top_k, ties to the lower index) or
+    lax.approx_max_k (TPU's fast path) when recall_target is set."""
+    if recall_target is None:
+        return jax.lax.top_k(scores, k)
+    return jax.lax.approx_max_k(scores, k, recall_target=recall_target)
+
+
+def _score(q, rows, ids, exclude, num_valid):
+    """Scores [B, c] of q [B, D] against rows [c, D] with global ids [c]; invalid rows (id >=
+    num_valid, e.g. the padding of the last shard) and each query's excluded id get NEG_INF."""
+    scores = jnp.einsum("bd,nd->bn", q.astype(jnp.float32), rows.astype(jnp.float32))
     bad = (ids[None, :] >= num_valid) | (ids[None, :] == exclude[:, None])
-    scores = jnp.where(bad, NEG_INF, scores)
-    vals, idx = jax.lax.top_k(scores, k)  # [B, k]
-    return vals, idx + offset
+    return jnp.where(bad, NEG_INF, scores)
+
+
+def _local_topk(q, emb, exclude, *, k, num_valid, axes, chunk, recall_target=None):
+    """Top k (scores [B, k], global ids [B, k]) of this device's rows emb [n, D] for all
+    queries q [B, D] (exclude [B]), best first, ties to the lower id.
+
+    A running top-k over chunks of c rows (a lax.scan): each step scores one chunk and merges
+    its top k into the running k, so at most [B, c] scores exist at once (and, on XLA:CPU, a
+    copy of the chunk's rows [c, D]). The last chunk is shifted back to end at row n (no padded
+    copy of the shard); the rows it repeats score -inf, below NEG_INF, so they never displace a
+    row. The ids equal one top-k over the whole shard: the running entries come from earlier
+    chunks (lower ids) and win ties. (A score may differ from the whole-shard matmul's in its
+    last bit, the matmul's shape changing its summation order: rows within that can swap.)"""
+    n = emb.shape[0]
+    offset = jax.lax.axis_index(axes) * n
+    c, count = _chunking(n, chunk)
+    if count == 1:  # the whole shard in one matmul: [B, n] scores
+        ids = offset + jnp.arange(n, dtype=jnp.int32)  # [n]
+        vals, idx = _select(_score(q, emb, ids, exclude, num_valid), k, recall_target)
+        return vals, idx + offset
+    kc = min(k, c)
+
+    def step(carry, i):
+        run_vals, run_ids = carry  # [B, k] each
+        start = jnp.minimum(i * c, n - c)
+        rows = jax.lax.dynamic_slice_in_dim(emb, start, c)  # [c, D]
+        local = start + jnp.arange(c, dtype=jnp.int32)  # [c]
+        scores = _score(q, rows, offset + local, exclude, num_valid)  # [B, c]
+        scores = jnp.where(local[None, :] >= i * c, scores, -jnp.inf)  # seen rows out
+        vals, idx = _select(scores, kc, recall_target)  # [B, kc]
+        both = jnp.concatenate([run_vals, vals], axis=1)  # [B, k + kc], running first
+        both_ids = jnp.concatenate([run_ids, offset + start + idx], axis=1)
+        top, pos = jax.lax.top_k(both, k)
+        return (top, jnp.take_along_axis(both_ids, pos, axis=1)), None
+
+    b = q.shape[0]
+    init = (jnp.full((b, k), -jnp.inf, jnp.float32), jnp.zeros((b, k), jnp.int32))
+    (vals, ids), _ = jax.lax.scan(step, init, jnp.arange(count, dtype=jnp.int32))
+    return vals, ids
 
 
 def _gather_rows(table, ids, axes):
@@ -49,21 +114,47 @@ def _gather_rows(table, ids, axes):
     return jax.lax.psum(rows, axes)
 
 
-def search_and_fetch(mesh: Mesh, query, emb, tokens, exclude, *, k: int, num_valid: int):
+def search_and_fetch(
+    mesh: Mesh,
+    query,
+    emb,
+    tokens,
+    exclude,
+    *,
+    k: int,
+    num_valid: int,
+    chunk: int | None = None,
+    recall_target: float | None = None,
+):
     """Top-k blocks for each query, excluding `exclude` ids, plus their tokens.
 
     query [B, D]; emb [N, D] and tokens [N, L] row-sharded over all mesh axes; exclude [B]
-    (-1 for none). Returns (scores [B, k], ids [B, k], block_tokens [B, k, L]), replicated.
+    (-1 for none). Returns (scores [B, k], ids [B, k], block_tokens [B, k, L]), replicated;
+    best first, equal scores in ascending id order. chunk: rows a device scores at once
+    (None: DEFAULT_CHUNK or set_default_chunk's; 0: its whole shard). recall_target: each
+    device's top-k by lax.approx_max_k at that recall instead of exactly (the merge of the
+    devices' candidates stays exact).
     """
     axes = tuple(mesh.axis_names)
     n_local = emb.shape[0] // mesh.devices.size
     if k > num_valid:
         raise ValueError(f"top-{k} retrieval from an index of {num_valid} blocks")
+    chunk = _default_chunk if chunk is None else chunk
+    if chunk < 0:
+        raise ValueError(f"mips chunk must be 0 (whole shard) or positive, got {chunk}")
     # Each of the global top k is within its own device's top min(k, rows per device).
     k_local = min(k, n_local)
+    local = functools.partial(
+        _local_topk,
+        k=k_local,
+        num_valid=num_valid,
+        axes=axes,
+        chunk=chunk,
+        recall_target=recall_target,
+    )
 
     def body(q, e, t, ex):
-        vals, ids = _local_topk(q, e, ex, k=k_local, num_valid=num_valid, axes=axes)
+        vals, ids = local(q, e, ex)
         all_vals = jax.lax.all_gather(vals, axes, axis=1, tiled=True)  # [B, ndev * k_local]
         all_ids = jax.lax.all_gather(ids, axes, axis=1, tiled=True)
         top_vals, pos = jax.lax.top_k(all_vals, k)
