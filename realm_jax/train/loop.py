@@ -187,6 +187,23 @@ class StopSignal:
             flag = bool(multihost_utils.process_allgather(np.array(flag)).any())
         return flag
 
+    def check(self, step: int, at_save: bool, every: int) -> bool:
+        """Whether the run stops after `step`. One process: its own flag at every step (an
+        Event read, no sync). Several: any_process() (an allgather and a blocking read, so
+        the host could not dispatch step N+1 before step N ended) only every `every` steps and
+        at checkpoint steps, which depend on the step alone: every process decides at the
+        same steps. A stop waits at most `every` steps (train.stop_check_every).
+
+        Not jax's multihost_utils.reached_preemption_sync_point: it needs jax.distributed's
+        preemption sync manager (absent in a one-process run and on CPU), and it learns only
+        of the notices the coordination service catches itself, not of this Event, which
+        `local` and the tests set from other threads."""
+        if jax.process_count() == 1:
+            return self.event.is_set()
+        if not at_save and step % max(1, every) != 0:
+            return False
+        return self.any_process()
+
 
 def _check_finite(values: dict, step: int, limit: int, mgr) -> None:
     """Stop past `limit` non-finite steps in a row (counted on device; skipped steps changed
@@ -299,6 +316,7 @@ def run(
     ready = -1  # the step before_step last ran for
     # a main thread stuck while its JAX client keeps beating exits (watchdog.py)
     wd = watchdog.from_config(tc, f"{config.task} training step")
+    stop_every = int(tc.get("stop_check_every", 10))  # steps between the stop checks
 
     def prepare(step: int) -> None:
         """The task's host work before `step` (REALM: take up a newer index), once per step."""
@@ -358,7 +376,7 @@ def run(
                 with wd.stage("evaluation", slow=True, step=step):
                     evaluate(step)
             wd.beat(step)
-            if tc.preemption_save and stop.any_process():
+            if tc.preemption_save and stop.check(step, at_save, stop_every):
                 log.warning(
                     "stop requested (signal %s): %s checkpoint %d and exiting",
                     stop.signum,
