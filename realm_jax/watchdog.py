@@ -9,18 +9,27 @@ that the last beat is recent. When it is not, the process writes one line saying
 stalled and for how long, then every thread's Python stack (faulthandler), to stderr, and exits
 with EXIT_STALLED, so the launcher's restart resumes from the last good checkpoint.
 
-Bounds (config fields of the train section; the refresh job's in refresh.*):
+Bounds (config fields of the train section, which the refresh job and `evaluate` read too):
   stall_timeout_s      0 = automatic: max(stall_floor_s, STEP_FACTOR x the mean time between the
                        last WINDOW beats, 3 x the longest time between two beats so far: steps
                        are dispatched ahead and the host waits for the device only at a log or
                        save step, so one interval in log_every holds many steps); else this
                        many seconds
   stall_floor_s        the automatic bound's floor
-  first_step_timeout_s the bound before the first beat (compilation, restore, the first step)
+  first_step_timeout_s the bound before the first beat (compilation, the first step)
                        and of the stages that compile or may be slow on their own (an evaluation,
                        a checkpoint save): not a stall
+Each bound must be a finite number of seconds, at least MIN_BOUND_S (stall_timeout_s may be 0):
+from_config refuses inf, NaN, negative and sub-second values with one ConfigError naming each
+field (an infinite or NaN bound would never fire; a sub-second one fires on a healthy step).
 `stage(name)` names what the main thread is doing (the data, the step, a checkpoint save, an
-evaluation): the stall line says which, so a hung data loader is named as such.
+evaluation): the stall line says which, so a hung data loader is named as such; outside every
+stage it names the last stage that ended, and before the first it says so.
+
+The stall report can never keep the process alive: the exit is armed before anything is written
+(the report runs in its own thread, given EXIT_GRACE_S), the line and the stacks go to stderr's
+descriptor without blocking (what a full pipe cannot take is dropped), and only the log line
+may block, inside that grace.
 
 A test-only fault hook, REALM_JAX_TEST_HANG="<stage>:<step>" (e.g. "step:3": when the training
 loop starts the step after step 3; "data:3" in its data loader), blocks the main thread for ever
@@ -33,11 +42,14 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import math
 import os
+import stat
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +57,8 @@ EXIT_STALLED = 75  # EX_TEMPFAIL: the launcher restarts; a resume continues from
 STEP_FACTOR = 20.0  # automatic bound: this many median steps without one completing
 WINDOW = 50  # the step times the median is taken over
 TEST_HANG = "REALM_JAX_TEST_HANG"
+EXIT_GRACE_S = 3.0  # the most the stall report may take before the exit (a blocked log handler)
+MIN_BOUND_S = 1.0  # the shortest bound a config may set: a healthy step's host work can take it
 
 
 class Watchdog:
@@ -61,11 +75,7 @@ class Watchdog:
         out=None,
         exit_fn=os._exit,
     ):
-        if timeout_s < 0 or floor_s <= 0 or first_timeout_s <= 0:
-            raise ValueError(
-                f"watchdog bounds must be positive (timeout_s {timeout_s} >= 0, floor_s "
-                f"{floor_s}, first_timeout_s {first_timeout_s})"
-            )
+        _check_bounds(timeout_s, floor_s, first_timeout_s)
         self.what, self.fixed, self.floor, self.first = what, timeout_s, floor_s, first_timeout_s
         self.out, self._exit = out or sys.stderr, exit_fn
         self._lock = threading.Lock()
@@ -73,7 +83,10 @@ class Watchdog:
         self._times: list[float] = []
         self._longest = 0.0
         self._beats = 0
-        self._stage, self._stage_bound, self._step = "start", None, None
+        self._stage: str | None = None  # the innermost open stage; None: outside every stage
+        self._stage_bound: float | None = None
+        self._step = None
+        self._ended: tuple[str, float] | None = None  # the last stage that ended, and when
         self._closed = threading.Event()
         self.fired = False
         self._thread = threading.Thread(target=self._watch, name=f"watchdog:{what}", daemon=True)
@@ -91,7 +104,7 @@ class Watchdog:
             self._last, self._step = now, step
 
     @contextlib.contextmanager
-    def stage(self, name: str, slow: bool = False, step: int | None = None):
+    def stage(self, name: str, slow: bool = False, step: int | None = None) -> Iterator[None]:
         """The main thread is in stage `name`; slow=True: bounded by first_timeout_s (it may
         compile or wait on storage) rather than by the step bound. Time spent in a slow stage
         does not count as a stalled step: the clock restarts when it ends."""
@@ -109,6 +122,7 @@ class Watchdog:
         finally:
             with self._lock:
                 self._stage, self._stage_bound = before
+                self._ended = (name, time.monotonic())
                 if slow:
                     self._last = time.monotonic()
 
@@ -142,37 +156,141 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._closed.wait(min(1.0, max(0.05, self._poll()))):
             with self._lock:
-                idle, limit = time.monotonic() - self._last, self._bound()
-                stage, step, beats = self._stage, self._step, self._beats
+                now = time.monotonic()
+                idle, limit = now - self._last, self._bound()
+                where, step, beats = self._where(now), self._step, self._beats
             if idle > limit:
-                self._fire(idle, limit, stage, step, beats)
+                self._fire(idle, limit, where, step, beats)
                 return
 
     def _poll(self) -> float:
         return self.bound() / 10
 
-    def _fire(self, idle: float, limit: float, stage: str, step, beats: int) -> None:
+    def _where(self, now: float) -> str:
+        """Where the main thread is, for the stall line (under the lock)."""
+        if self._stage is not None:
+            return f"the main thread is in stage '{self._stage}'"
+        if self._ended is None:
+            return "the main thread has entered no stage yet"
+        name, at = self._ended
+        ago = f"{now - at:.3g} s ago"
+        return f"the main thread is outside every stage (the last, '{name}', ended {ago})"
+
+    def _fire(self, idle: float, limit: float, where: str, step, beats: int) -> None:
+        """Report the stall and exit EXIT_STALLED. The exit is armed first: the report runs in
+        its own thread, and after EXIT_GRACE_S the process exits whether it is done or not."""
         self.fired = True
         after = f"after step {step}" if step is not None else f"after {beats} completed"
         line = (
             f"realm-jax: stalled: no {self.what} completed for {idle:.3g} s (bound {limit:.3g} s; "
-            f"{after}); the main thread is in stage '{stage}'; every thread's stack follows; "
+            f"{after}); {where}; every thread's stack follows; "
             f"exiting {EXIT_STALLED} so that a restart resumes from the last checkpoint"
         )
+        report = threading.Thread(
+            target=_report, args=(line, self.out), name="watchdog:report", daemon=True
+        )
         try:
-            print(line, file=self.out, flush=True)
-            log.error(line)
-            faulthandler.dump_traceback(file=self.out, all_threads=True)
-            self.out.flush()
+            report.start()
+            report.join(EXIT_GRACE_S)
         finally:
             self._exit(EXIT_STALLED)
 
 
-def from_config(section, what: str) -> Watchdog:
-    """A Watchdog with the bounds of a config section (train or refresh)."""
-    return Watchdog(
-        what,
-        float(section.get("stall_timeout_s", 0.0)),
-        float(section.get("stall_floor_s", 300.0)),
-        float(section.get("first_step_timeout_s", 3600.0)),
-    )
+def _report(line: str, out) -> None:
+    """The stall line and every thread's stack to `out`'s descriptor, never blocking (a full
+    pipe drops what it cannot take); then the line to the log, which may block (a handler on
+    that same pipe): the caller exits after EXIT_GRACE_S regardless."""
+    fd, release = _nonblocking_fd(out)
+    try:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, (line + "\n").encode())
+            faulthandler.dump_traceback(file=fd, all_threads=True)  # drops on EAGAIN
+        else:  # no descriptor (a StringIO): a Python write, bounded by the grace
+            out.write(line + "\n")
+            out.flush()
+    finally:
+        release()
+    log.error(line)
+
+
+def _nonblocking_fd(out) -> tuple[int | None, Callable[[], None]]:
+    """(a descriptor writing where `out` does on which a write never blocks, its release), or
+    (None, no-op) when `out` has no descriptor. A pipe is reopened through /proc with O_NONBLOCK:
+    a descriptor of its own, so the flag does not change the file description this process
+    shares with its parent; a regular file never blocks; anything else (a socket, a tty) is set
+    non-blocking for the report and restored."""
+    try:
+        fd = out.fileno()
+        mode = os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):
+        return None, lambda: None
+    if stat.S_ISREG(mode):
+        return fd, lambda: None
+    if stat.S_ISFIFO(mode):
+        try:
+            own = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+            return own, lambda: os.close(own)
+        except OSError:
+            pass  # no /proc, or no reader left: the flag on the shared description
+    try:
+        was = os.get_blocking(fd)
+        os.set_blocking(fd, False)
+    except OSError:
+        return None, lambda: None
+    return fd, lambda: os.set_blocking(fd, was)
+
+
+def _check_bounds(timeout_s: float, floor_s: float, first_timeout_s: float) -> None:
+    """The constructor's check: finite, timeout_s >= 0 (0 automatic), the others > 0. NaN
+    compares false with everything, so `timeout_s < 0` alone would let it (a bound that never
+    fires) through; sub-second bounds are for tests (from_config refuses them)."""
+    values = {"timeout_s": timeout_s, "floor_s": floor_s, "first_timeout_s": first_timeout_s}
+    bad = [
+        f"{name}={value!r}"
+        for name, value in values.items()
+        if not math.isfinite(value) or value < 0 or (value == 0 and name != "timeout_s")
+    ]
+    if bad:
+        raise ValueError(
+            f"watchdog bounds must be finite and positive seconds (timeout_s may be 0, "
+            f"automatic): {', '.join(bad)}"
+        )
+
+
+# (field, default, whether 0 means automatic)
+CONFIG_FIELDS = (
+    ("stall_timeout_s", 0.0, True),
+    ("stall_floor_s", 300.0, False),
+    ("first_step_timeout_s", 3600.0, False),
+)
+
+
+def config_bounds(section, prefix: str = "train") -> tuple[float, float, float]:
+    """(stall_timeout_s, stall_floor_s, first_step_timeout_s) of a config section, checked:
+    one ConfigError naming every field that is not a finite number of seconds >= MIN_BOUND_S
+    (stall_timeout_s may be 0, automatic)."""
+    from realm_jax.config import ConfigError  # ml_collections only: cheap
+
+    values, problems = [], []
+    for field, default, zero_ok in CONFIG_FIELDS:
+        raw = section.get(field, default)
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            value = math.nan
+        allowed = f"a finite number of seconds >= {MIN_BOUND_S:g}"
+        if zero_ok:
+            allowed = f"0 (automatic) or {allowed}"
+        if not (math.isfinite(value) and (value >= MIN_BOUND_S or (zero_ok and value == 0))):
+            problems.append(f"{prefix}.{field}={raw!r}: must be {allowed}")
+        values.append(value)
+    if problems:
+        raise ConfigError("the progress watchdog's bounds: " + "; ".join(problems))
+    return values[0], values[1], values[2]
+
+
+def from_config(section, what: str, prefix: str = "train") -> Watchdog:
+    """A Watchdog with the bounds of a config section (`prefix`: its name in the config, for
+    the error; every caller passes config.train)."""
+    return Watchdog(what, *config_bounds(section, prefix))

@@ -391,11 +391,12 @@ def run(
             log.error(message)
         raise
     finally:
+        with wd.stage("final save", slow=True, step=step):  # storage that never answers exits
+            mgr.wait_until_finished()
+            writer.close()
+            if ids_log is not None:
+                ids_log.close()
         wd.close()
-        mgr.wait_until_finished()
-        writer.close()
-        if ids_log is not None:
-            ids_log.close()
         stop.uninstall()
         if task.close is not None:
             task.close()
