@@ -245,6 +245,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.preemption_save = True  # save a checkpoint on SIGTERM before exiting
     # several processes: steps between the collective stop checks (and at every checkpoint)
     c.train.stop_check_every = 10  # a stop waits at most this many steps; 1 process: each step
+    c.train.profile_steps = ""  # "A:B": a jax.profiler trace of steps A..B in tb/; "" = off
     c.train.max_nonfinite = 5  # non-finite steps in a row (skipped) before the run stops
     # The progress watchdog (watchdog.py): no step completed within the bound -> every
     # thread's stack to the log and exit 75, so a restart resumes. 0 = automatic: max(floor,

@@ -89,6 +89,7 @@ SHARED_TRAIN_FIELDS = (
     "train.first_step_timeout_s",
     "train.record_example_ids",
     "train.stop_check_every",  # the loop's collective stop check: every task's alike
+    "train.profile_steps",  # the loop's profiler trace: every task's alike
     "train.num_candidates",  # REALM's candidates: ICT and fine-tuning do not read it
     "train.mlm_vocab_chunk",  # REALM's MLM head: ICT and fine-tuning have none
     "train.grad_accum",  # REALM's micro-batches: ICT and fine-tuning take one pass

@@ -60,3 +60,9 @@ def eval_dir(workdir: str) -> str:
 def lock_path(workdir: str, role: str) -> str:
     """The lock file one process of `role` holds for the run (lock.py)."""
     return fs.join(root(workdir), f"{role}.lock")
+
+
+def profile_dir(workdir: str) -> str:
+    """train.profile_steps' jax.profiler traces: the TensorBoard logdir, whose profile plugin
+    opens <logdir>/plugins/profile/<run>/*.xplane.pb."""
+    return tb_dir(workdir)

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from realm_jax import checkpoint, fs, runtime, sharding, watchdog
 from realm_jax import workdir as paths
 from realm_jax.lock import LEASE_SECONDS, workdir_lock
+from realm_jax.train import goodput, instruments
 from realm_jax.train.metrics import MetricWriter, Progress, line
 
 log = logging.getLogger("realm_jax.train")
@@ -306,6 +307,12 @@ def run(
     evaluations included with "eval/" keys)."""
     tc = config.train
     mesh = sharding.make_mesh(config.mesh)
+    # the steps a restart trains again: read before this run's writer starts its event file
+    redone = goodput.redone_steps(workdir, start) if jax.process_index() == 0 else 0
+    meter = instruments.Meter(tc.batch_size, start, redone)
+    profile = instruments.Profile(
+        tc.get("profile_steps", ""), paths.profile_dir(workdir), start, tc.steps
+    )
     writer = MetricWriter(paths.tb_dir(workdir))
     progress = Progress(tc.steps, start)
     stop = StopSignal(stop_event)
@@ -322,7 +329,8 @@ def run(
         """The task's host work before `step` (REALM: take up a newer index), once per step."""
         nonlocal ready
         if task.before_step is not None and ready != step:
-            extra.update(task.before_step(step, state) or {})
+            with meter.timed("index"):
+                extra.update(task.before_step(step, state) or {})
         ready = step
 
     def evaluate(step: int) -> None:
@@ -339,41 +347,46 @@ def run(
 
     try:
         if start == 0:
-            with wd.stage("evaluation", slow=True, step=0):
+            with wd.stage("evaluation", slow=True, step=0), meter.timed("eval"):
                 evaluate(0)
         while step < tc.steps:
             with wd.stage("index swap", slow=True, step=step):
                 prepare(step)
-            with wd.stage("data", step=step):
+            with wd.stage("data", step=step), meter.timed("data"):
                 local = next(it)
-            example_ids = local.pop("example_id", None)  # host-side: never sent to the device
-            with wd.stage("step", step=step):
+                example_ids = local.pop("example_id", None)  # host-side: never to the device
                 batch = sharding.global_batch(local, mesh)
-                state, metrics = task.step(state, batch)
+            profile.before(step + 1)
+            with wd.stage("step", step=step):
+                state, metrics = meter.call_step(task.step, state, batch, local)
             step += 1
+            profile.after(step, metrics)
             if ids_log is not None and example_ids is not None:
                 ids_log.write(step, example_ids)
             at_log = step % tc.log_every == 0 or step == tc.steps
             at_save = step % tc.checkpoint_every == 0 or step == tc.steps
             if at_log or at_save:  # the host reads the metrics only here
-                with wd.stage("step results", step=step):  # waits for the device, collectives
+                # waits for the device, collectives
+                with wd.stage("step results", step=step), meter.timed("step"):
                     last = {k: float(v) for k, v in sharding.to_host(metrics).items()}
                 _check_finite(last, step, tc.max_nonfinite, mgr)
             if at_log:
                 last.update(extra)
                 last["step"], extra = step, {}
                 prog = progress.update(step)
-                writer.scalars(step, {**last, **prog})
+                perf = meter.values(step)  # the instruments: console, TensorBoard, metrics.json
+                writer.scalars(step, {**last, **prog, **perf})
                 history.append(last)
                 if jax.process_index() == 0:
+                    prog = {**prog, **perf}
                     print(_console("", step, tc.steps, last, task.console_keys, prog), flush=True)
             if at_save:
-                with wd.stage("checkpoint save", slow=True, step=step):
+                with wd.stage("checkpoint save", slow=True, step=step), meter.timed("checkpoint"):
                     checkpoint.save(mgr, step, state, save_args(it))
                     if ids_log is not None:  # on gs://: the ids up to this checkpoint, uploaded
                         ids_log.upload()
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps):
-                with wd.stage("evaluation", slow=True, step=step):
+                with wd.stage("evaluation", slow=True, step=step), meter.timed("eval"):
                     evaluate(step)
             wd.beat(step)
             if tc.preemption_save and stop.check(step, at_save, stop_every):
@@ -384,8 +397,10 @@ def run(
                     step,
                 )
                 if not at_save:  # saving the same step twice raises StepAlreadyExistsError
-                    checkpoint.save(mgr, step, state, save_args(it), force=True)
+                    with meter.timed("checkpoint"):
+                        checkpoint.save(mgr, step, state, save_args(it), force=True)
                 break  # ids_log is uploaded by its close() below
+        profile.stop()  # a stop before the profile's last step
     except Exception as e:  # multi-process: a peer that died shows up as a failed collective
         if (message := runtime.peer_lost_message(e)) is not None:
             log.error(message)
@@ -401,14 +416,18 @@ def run(
         if task.close is not None:
             task.close()
     if history and jax.process_index() == 0:
-        write_final_metrics(workdir, step, tc.steps, history, task)
+        write_final_metrics(workdir, step, tc.steps, history, task, meter.values(step))
     return history
 
 
-def write_final_metrics(workdir: str, step: int, steps: int, history: list[dict], task: Task):
+def write_final_metrics(
+    workdir: str, step: int, steps: int, history: list[dict], task: Task, perf=None
+):
     """WORKDIR/metrics.json, for sweeps (`realm-jax sweep`) and scripts: the last step, the
     last logged train metrics and the latest held-out evaluation, with the keys the task shows
-    on the console. A resumed run updates the file, keeping an evaluation it did not redo."""
+    on the console; `perf` (instruments.Meter.values at the end of the run): `mfu`, `goodput`,
+    `goodput_split` and `instruments` (instruments.summary), this run's. A resumed run updates
+    the file, keeping an evaluation it did not redo."""
     path = paths.metrics_path(workdir)
     out = {}
     if fs.exists(path):
@@ -423,4 +442,6 @@ def write_final_metrics(workdir: str, step: int, steps: int, history: list[dict]
     if evals:
         out["eval_step"] = evals[-1]["step"]
         out["eval"] = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    if perf is not None:
+        out.update(instruments.summary(perf))
     fs.write_text(path, json.dumps(out, indent=2, sort_keys=True, default=float))

@@ -47,26 +47,46 @@ class MetricWriter:
             self.writer = None  # a gs:// record writer uploads once more when collected
 
 
-def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} from every event file under <workdir>/tb, local or gs:// (the
-    newest file's value of a (tag, step) wins: a resumed run rewrites the steps after its
-    checkpoint). TFRecord framing: u64 length, u32 crc, payload, u32 crc."""
+def _events(data: bytes):
+    """(tag, step, value) of every scalar in an event file's bytes. TFRecord framing: u64
+    length, u32 crc, payload, u32 crc."""
     from tensorboardX.proto import event_pb2
 
+    pos = 0
+    while pos + 12 <= len(data):
+        (n,) = struct.unpack("<Q", data[pos : pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+        pos += 12 + n + 4
+        for v in event.summary.value:
+            yield v.tag, int(event.step), float(v.simple_value)
+
+
+def _event_files(workdir: str) -> tuple[str, list[str]]:
     tb = fs.join(fs.abspath(workdir), "tb")
     files = sorted(n for n in fs.listdir(tb) if n.startswith("events.out.tfevents."))
     if not files:
         raise FileNotFoundError(f"no TensorBoard event files in {tb}")
+    return tb, files
+
+
+def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from every event file under <workdir>/tb, local or gs:// (the
+    newest file's value of a (tag, step) wins: a resumed run rewrites the steps after its
+    checkpoint)."""
+    tb, files = _event_files(workdir)
     out: dict[str, dict[int, float]] = collections.defaultdict(dict)
     for name in files:  # names start with the writer's start time: oldest first
-        data, pos = fs.read_bytes(fs.join(tb, name)), 0
-        while pos + 12 <= len(data):
-            (n,) = struct.unpack("<Q", data[pos : pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
-            pos += 12 + n + 4
-            for v in event.summary.value:
-                out[v.tag][int(event.step)] = float(v.simple_value)
+        for tag, step, value in _events(fs.read_bytes(fs.join(tb, name))):
+            out[tag][step] = value
     return dict(out)
+
+
+def last_logged_step(workdir: str) -> int:
+    """The last step the newest event file under <workdir>/tb logged "loss" at (0: none);
+    FileNotFoundError without event files. goodput.redone_steps reads it on a resume."""
+    tb, files = _event_files(workdir)
+    steps = [s for t, s, _ in _events(fs.read_bytes(fs.join(tb, files[-1]))) if t == "loss"]
+    return max(steps, default=0)
 
 
 def format_seconds(s: float) -> str:
@@ -98,16 +118,22 @@ INT_KEYS = ("staleness", "index_step")
 
 
 def line(step: int, total: int, values: dict[str, float], prog: dict[str, float]) -> str:
-    """`step s/total | key value | ... | steps/s | ETA` for the values given, in order."""
+    """`step s/total | key value | ... | steps/s | ex/s | MFU | goodput | ETA` for the values
+    given, in order; the speed parts where `prog` has them (instruments.Meter's, Progress's)."""
     parts = [f"step {step}/{total}"] + [
         f"{k.removeprefix('eval/')} {int(v)}"
         if k in INT_KEYS
         else f"{k.removeprefix('eval/')} {v:.4f}"
         for k, v in values.items()
     ]
-    if prog:
-        parts += [
-            f"{prog['steps_per_sec']:.2f} steps/s",
-            f"ETA {format_seconds(prog['eta_seconds'])}",
-        ]
+    if "steps_per_sec" in prog:
+        parts.append(f"{prog['steps_per_sec']:.2f} steps/s")
+    if "examples_per_sec" in prog:
+        parts.append(f"{prog['examples_per_sec']:.1f} ex/s")
+    if prog.get("mfu") is not None:
+        parts.append(f"MFU {100 * prog['mfu']:.2f}%")
+    if "goodput" in prog:
+        parts.append(f"goodput {100 * prog['goodput']:.1f}%")
+    if "eta_seconds" in prog:
+        parts.append(f"ETA {format_seconds(prog['eta_seconds'])}")
     return " | ".join(parts)

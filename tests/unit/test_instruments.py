@@ -1,0 +1,144 @@
+"""The loop's instruments (issue 58): the goodput split, MFU by hand, the peak table, the
+FLOPs of a compiled step, the profile span's checks and metrics.json's keys."""
+
+import json
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax import workdir as paths
+from realm_jax.config import ConfigError
+from realm_jax.train import goodput, instruments, loop
+
+
+class Clock:
+    """A fake clock: `tick(s)` moves it on."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def tick(self, s):
+        self.t += s
+
+
+def test_goodput_split_sums_to_the_wall_time_and_nests():
+    clock = Clock()
+    g = goodput.Goodput(clock, redone_steps=2)
+    with g.timed("compile"):
+        clock.tick(5)
+    for _ in range(4):
+        g.steps += 1
+        with g.timed("data"):
+            clock.tick(0.5)
+        with g.timed("step"):
+            clock.tick(2)
+    with g.timed("eval"):  # an evaluation that waits for an index swap: 1 s eval, 3 s index
+        clock.tick(1)
+        with g.timed("index"):
+            clock.tick(3)
+    with g.timed("checkpoint"):
+        clock.tick(1.5)
+    clock.tick(0.7)  # logging: no bucket
+    split = g.split()
+    parts = {k: split[k] for k in goodput.PARTS}
+    assert sum(parts.values()) == pytest.approx(split["wall"]) == 5 + 10 + 4 + 1.5 + 0.7
+    assert min(parts.values()) >= 0
+    assert parts["eval"] == pytest.approx(1) and parts["index"] == pytest.approx(3)
+    assert parts["redone"] == pytest.approx(4) and parts["step"] == pytest.approx(4)
+    assert parts["other"] == pytest.approx(0.7)
+    assert goodput.ratio(split) == pytest.approx(4 / 21.2)
+
+
+def test_mfu_is_flops_over_step_time_over_peak():
+    clock = Clock()
+    m = instruments.Meter(batch_size=8, start=0, clock=clock)
+    m.flops, m.peak, m.tokens, m.compiled = 3e12, 1e14, 256, True
+    with m.timed("compile"):  # left out of the step time
+        clock.tick(9)
+    for _ in range(10):
+        with m.timed("data"):  # stays in: it slows the steady state
+            clock.tick(0.1)
+        with m.timed("step"):
+            clock.tick(0.4)
+    with m.timed("checkpoint"):  # left out
+        clock.tick(2)
+    v = m.values(10)
+    assert v["step_time"] == pytest.approx(0.5)
+    assert v["mfu"] == pytest.approx(3e12 / 0.5 / 1e14)
+    assert v["tflops_per_device"] == pytest.approx(6.0)
+    assert v["examples_per_sec"] == pytest.approx(16) and v["tokens_per_sec"] == pytest.approx(512)
+    assert instruments.mfu(None, 0.5, 1e14) is None and instruments.mfu(1.0, 0.5, None) is None
+    summary = instruments.summary(v)
+    assert summary["mfu"] == v["mfu"] and summary["goodput"] == v["goodput"]
+    assert summary["goodput_split"]["wall"] == pytest.approx(16)
+
+
+@pytest.mark.parametrize(
+    "kind,peak",
+    [("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v6 lite", 918e12)]
+    + [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-40GB", 312e12), ("TPU v9", None)],
+)
+def test_peak_flops_by_device_kind(kind, peak):
+    device = types.SimpleNamespace(platform="tpu", device_kind=kind)
+    assert instruments.peak_flops(device) == peak
+
+
+def test_cpu_peak_is_a_measured_matmul_shared_by_the_cpu_devices():
+    measured = instruments.cpu_matmul_flops()
+    assert measured > 1e8 and instruments.cpu_matmul_flops() == measured  # once per process
+    assert instruments.peak_flops() == pytest.approx(measured / jax.local_device_count())
+
+
+def test_the_first_call_gives_the_compiled_steps_flops_and_compile_time():
+    n = 96
+    f = jax.jit(lambda s, b: (s, {"y": (b["query_ids"].astype(jnp.float32) @ s).sum()}))
+    m = instruments.Meter(batch_size=n, start=0)
+    state = jnp.ones((n, n), jnp.float32)
+    local = {"query_ids": np.ones((n, n), np.int32)}
+    m.call_step(f, state, {"query_ids": jnp.asarray(local["query_ids"])}, local)
+    assert m.flops == pytest.approx(2 * n**3, rel=0.1)
+    assert m.compile_seconds > 0 and m.tokens == n * n * jax.process_count()
+    used, peak = instruments.memory_bytes()
+    assert used > 0 and peak > 0
+
+
+def test_profile_span_outside_the_run_is_skipped_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, "realm_jax.train"):
+        assert instruments.Profile("3:30", str(tmp_path), 0, 20).span is None
+        assert instruments.Profile("2:4", str(tmp_path), 5, 20).span is None  # resumed at 5
+    assert caplog.text.count("no trace") == 2
+    assert instruments.Profile("", str(tmp_path), 0, 20).span is None
+    assert instruments.Profile("6:8", str(tmp_path), 5, 20).span == (6, 8)
+    with pytest.raises(ConfigError, match="A:B"):
+        instruments.Profile("3-4", str(tmp_path), 0, 20)
+
+
+def test_metrics_json_holds_mfu_and_goodput(tmp_path):
+    task = loop.Task(name="t", step=None)
+    perf = {"mfu": 0.25, "goodput": 0.5, "goodput/step": 1.0, "goodput/wall": 2.0}
+    perf["step_time"] = 0.1
+    loop.write_final_metrics(str(tmp_path), 4, 4, [{"step": 4, "loss": 1.0}], task, perf)
+    out = json.loads(open(paths.metrics_path(str(tmp_path))).read())
+    assert out["mfu"] == 0.25 and out["goodput"] == 0.5
+    assert out["goodput_split"] == {"step": 1.0, "wall": 2.0}
+    assert out["instruments"] == {"step_time": 0.1} and out["train"] == {"loss": 1.0}
+
+
+def test_redone_steps_are_the_logged_steps_past_the_restored_checkpoint(tmp_path):
+    from realm_jax.train.metrics import MetricWriter
+
+    work = str(tmp_path)
+    assert goodput.redone_steps(work, 8) == 0  # nothing logged: not knowable, 0
+    writer = MetricWriter(paths.tb_dir(work))  # a run killed after logging step 11
+    for s in range(1, 12):
+        writer.scalars(s, {"loss": 1.0})
+    writer.close()
+    assert goodput.redone_steps(work, 8) == 3 and goodput.redone_steps(work, 0) == 0
+    assert goodput.redone_steps(work, 12) == 0
