@@ -379,6 +379,108 @@ def check_mesh(config, mesh, num_blocks: int) -> None:
         raise PlanError(f"train.num_candidates {k} exceeds the corpus ({num_blocks} blocks)")
 
 
+# ------------------------------------------------------------------------------ communication
+
+# XLA:CPU all-reduces a weight's gradient once per place the step uses it (its pass to
+# reassociate add(all-reduce(a), all-reduce(b)) is not in the CPU pipeline): REALM's step
+# uses the word embeddings twice (input lookup and tied decoder) and the document embedder on
+# the null block and the candidates, so its reduction was 1.95x the parameters on 4x1 (ICT's
+# 1.0x). The bound allows that factor; docs/architecture.md "What each program communicates".
+GRAD_REDUCTIONS = 2.0
+SLACK = 1.25  # for the small collectives the formula leaves out (metrics, counts, norms)
+SLACK_BYTES = 256 * 1024
+
+
+def _net(config, part: str):
+    from realm_jax.model.bert import ModelConfig
+
+    return ModelConfig.from_config(config.model, part)
+
+
+def _tensor_parallel(net, tokens: int, model: int) -> int:
+    """Megatron's activation all-reduces over `model` for `tokens` tokens on one data shard:
+    two per layer forward, two backward, and the vocabulary-parallel embedding's psum (one
+    each way), float32 [tokens, H]: 0 without a model axis."""
+    if model <= 1:
+        return 0
+    return 4 * net.hidden_size * tokens * (4 * net.num_layers + 2)
+
+
+def comm_bound(config, mesh, program: Program) -> dict:
+    """What the design lets a program move, per device per run, in collective result bytes
+    (../shared/DESIGN.md "What each program should communicate"): one gradient reduction
+    (GRAD_REDUCTIONS on XLA:CPU; with FSDP the weights' gathers too), tensor-parallel
+    activations, the search's query embeddings and per-shard top-k, the candidates' tokens
+    and, for REALM, the vocabulary-parallel loss's per-row figures. {part: bytes, "bound"}."""
+    from realm_jax import sharding
+    from realm_jax.model.inputs import joint_len
+
+    d, m = sharding.data_size(mesh), dict(mesh.shape).get("model", 1)
+    n = mesh.devices.size
+    B, D = int(config.train.batch_size), int(config.model.proj_size)
+    Lq, Lb = int(config.data.query_len), int(config.data.block_len)
+    per = B // d
+    parts = {}
+    params = _bytes_per_device(program.groups.get("parameters", []))
+    fsdp = bool(config.mesh.get("fsdp", False))
+    emb, reader = _net(config, "embedder"), _net(config, "reader")
+    if program.name.startswith("refresh"):
+        rows = sharding.padded_rows(_blocks(program), mesh) // n * m  # one model group's
+        parts["tensor parallel"] = _tensor_parallel(emb, rows * Lb, m)
+        parts["gathers (fsdp)"] = params * d if fsdp else 0
+    else:
+        parts["gradients"] = int(params * (d if fsdp else 1) * GRAD_REDUCTIONS) if d > 1 else 0
+        parts["gathers (fsdp)"] = 3 * params * d if fsdp else 0
+    if program.name.startswith("REALM"):
+        K, P_ = int(config.train.num_candidates), int(config.data.max_predictions)
+        tokens = per * (K * joint_len(config), Lq, K * Lb)
+        parts["tensor parallel"] = _tensor_parallel(reader, tokens[0], m) + sum(
+            _tensor_parallel(emb, t, m) for t in tokens[1:]
+        )
+        parts["retrieval"] = 4 * B * D + 8 * B * K * n + 4 * B * K * Lb
+        parts["loss"] = 4 * per * K * P_ * (4 + reader.hidden_size) if m > 1 else 0
+    elif program.name.startswith("ICT"):
+        parts["tensor parallel"] = sum(_tensor_parallel(emb, per * t, m) for t in (Lq, Lb))
+        parts["in-batch embeddings"] = 2 * 4 * B * D
+    elif program.name.startswith("QA"):
+        from realm_jax.qa.step import reader_len
+
+        q = config.qa
+        K, beam = int(q.reader_beam_size), int(q.retriever_beam_size)
+        parts["tensor parallel"] = _tensor_parallel(
+            reader, per * K * reader_len(config), m
+        ) + _tensor_parallel(emb, per * Lq, m)
+        parts["retrieval"] = 4 * B * D + 8 * B * beam * n + 4 * B * K * Lb
+    parts["bound"] = int(sum(parts.values()) * SLACK) + SLACK_BYTES
+    return parts
+
+
+def _blocks(program: Program) -> int:
+    tokens = program.groups["token table shard"]
+    return tokens.shape[0]
+
+
+def comm_audit(compiled, program: Program, config, mesh) -> dict:
+    """The compiled program's collectives (hlo_audit) beside the design's bound."""
+    from realm_jax import hlo_audit
+
+    found = hlo_audit.collectives(compiled.as_text(), mesh.devices.size)
+    bound = comm_bound(config, mesh, program)
+    total = hlo_audit.total_bytes(found)
+    return {
+        "total_bytes": total,
+        "by_kind": hlo_audit.summary(found),
+        "in_loops": sum(c.in_loop for c in found),
+        "largest": [
+            f"{c.bytes_per_step:,} B: {c.describe()}"
+            for c in sorted(found, key=lambda c: -c.bytes_per_step)[:3]
+        ],
+        "bound": bound,
+        "within_bound": total <= bound["bound"],
+        "_found": found,  # for tests and callers in process; dropped from the JSON
+    }
+
+
 # ------------------------------------------------------------------------------ compile
 
 
@@ -394,8 +496,9 @@ def _compile(program: Program):
         raise
 
 
-def analyse(program: Program, hbm_bytes: int | None) -> dict:
-    """Per-device bytes: each group of arguments, and XLA's memory analysis of the program."""
+def analyse(program: Program, hbm_bytes: int | None, config=None, mesh=None) -> dict:
+    """Per-device bytes: each group of arguments, and XLA's memory analysis of the program;
+    with the config and mesh, its collectives beside the design's bound (comm_audit)."""
     import time
 
     t0 = time.perf_counter()
@@ -425,6 +528,8 @@ def analyse(program: Program, hbm_bytes: int | None) -> dict:
         + xla["generated_code"]
     )
     out.update(xla=xla, total=total, fits=hbm_bytes is None or total <= hbm_bytes)
+    if config is not None and mesh is not None:
+        out["communication"] = comm_audit(compiled, program, config, mesh)
     return out
 
 
@@ -467,7 +572,30 @@ def format_report(head: dict, results: list[dict]) -> str:
                 else f"does NOT fit: {(r['total'] - hbm) / GiB:.2f} GiB over"
             )
             lines.append(f"  {'of HBM':<34}{share:8.0%}   {verdict}")
+        lines += _format_communication(r.get("communication"))
     return "\n".join(lines)
+
+
+def _format_communication(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    mib = 1024**2
+    lines = [f"  communication per device per step (MiB; {c['in_loops']} collectives in loops)"]
+    for kind, s in sorted(c["by_kind"].items()):
+        lines.append(
+            f"    {kind:<32}{s['bytes'] / mib:8.2f}   {s['executions']} executions of "
+            f"{s['instructions']} instructions"
+        )
+    bound = c["bound"]
+    verdict = "within" if c["within_bound"] else "ABOVE"
+    lines.append(
+        f"    {'total':<32}{c['total_bytes'] / mib:8.2f}   {verdict} the design's bound "
+        f"{bound['bound'] / mib:.2f} ("
+        + ", ".join(f"{k} {v / mib:.2f}" for k, v in bound.items() if k != "bound" and v)
+        + ")"
+    )
+    lines += [f"    largest: {x}" for x in c["largest"][:2]]
+    return lines
 
 
 def num_blocks_for(config, workdir: str, given: int) -> tuple[int, str]:
@@ -522,7 +650,7 @@ def plan(
             raise PlanError(f"--programs {only}: task {config.task!r} has no such program")
     for program in programs:
         log.info("compiling %s for %s", program.name, target.name)
-        results.append(analyse(program, target.hbm_bytes))
+        results.append(analyse(program, target.hbm_bytes, config, mesh))
     return head, results
 
 
@@ -539,6 +667,8 @@ def command(config, args) -> int:
     head["config"] = args.config
     print(format_report(head, results), flush=True)
     if args.json:
+        for r in results:
+            r.get("communication", {}).pop("_found", None)
         fs.write_text(args.json, json.dumps({"header": head, "programs": results}, indent=1))
     over = [r["program"] for r in results if not r["fits"]]
     if over:

@@ -97,7 +97,7 @@ def eval_metrics(
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
     _, metrics = fused_marginal_loss(
-        relevance, features, table, bias, targets, weights, chunk=vocab_chunk
+        relevance, features, table, bias, targets, weights, chunk=vocab_chunk, mesh=mesh
     )
     null_logits = jnp.einsum("bph,vh->bpv", features[:, 0], table) + bias  # [B, P, V]
     null_right = (jnp.argmax(null_logits, -1) == targets).astype(jnp.float32) * weights

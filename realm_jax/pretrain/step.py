@@ -426,7 +426,9 @@ def realm_loss(
         if vocab_chunk < 0:  # materialise the [B, K, P, V] logits (the reference path)
             logits = tied_decoder_logits(feats, table, bias)
             return losses.marginal_loss(rel, logits, targets, weights)
-        return fused_marginal_loss(rel, feats, table, bias, targets, weights, chunk=vocab_chunk)
+        return fused_marginal_loss(
+            rel, feats, table, bias, targets, weights, chunk=vocab_chunk, mesh=mesh
+        )
 
     inject = batch.get("inject")
     if inject is None:

@@ -220,13 +220,27 @@ def test_marginal_loss_hand_computed():
     assert float(m["accuracy"]) == 0.0  # y=1 has the largest marginal probability
 
 
-@pytest.mark.parametrize("chunk", [0, 7, 16, 64])
-def test_fused_marginal_loss_matches_materialised_logits(chunk):
+@pytest.mark.parametrize(
+    "chunk, mesh_shape",
+    [(0, None), (7, None), (16, None), (64, None), (7, (2, 2)), (16, (1, 4)), (0, (4, 1))],
+)
+def test_fused_marginal_loss_matches_materialised_logits(chunk, mesh_shape):
     """The chunked MLM softmax (never holding [B, K, P, V]) against marginal_loss on dense
     logits: loss, every metric and the gradients of relevance, features, table and bias.
-    V = 50 is not a multiple of the chunks, so the padded last chunk is exercised."""
+    V = 50 is not a multiple of the chunks, so the padded last chunk is exercised. On a mesh
+    (data x model) the loss is data- and vocabulary-parallel under shard_map: a 2-way model
+    axis splits the 50 rows 25/25; a 4-way one, which does not divide them, leaves the
+    vocabulary whole on each shard."""
     rng = np.random.default_rng(0)
-    B, K, P, H, V = 3, 4, 5, 8, 50
+    B, K, P, H, V = 4, 4, 5, 8, 50
+    mesh = None
+    if mesh_shape is not None:
+        mesh = jax.make_mesh(
+            mesh_shape,
+            ("data", "model"),
+            axis_types=(jax.sharding.AxisType.Auto,) * 2,
+            devices=jax.devices()[:4],
+        )
     rel = jnp.asarray(rng.normal(size=(B, K)), jnp.float32)
     feats = jnp.asarray(rng.normal(size=(B, K, P, H)), jnp.float32)
     table = jnp.asarray(rng.normal(size=(V, H)), jnp.float32)
@@ -241,7 +255,7 @@ def test_fused_marginal_loss_matches_materialised_logits(chunk):
         return losses.marginal_loss(rel, logits, tgt, w)
 
     def fused(rel, feats, table, bias):
-        return fused_softmax.fused_marginal_loss(rel, feats, table, bias, tgt, w, chunk)
+        return fused_softmax.fused_marginal_loss(rel, feats, table, bias, tgt, w, chunk, mesh)
 
     args = (rel, feats, table, bias)
     (l1, m1), g1 = jax.value_and_grad(dense, argnums=(0, 1, 2, 3), has_aux=True)(*args)
