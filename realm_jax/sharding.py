@@ -181,6 +181,32 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+def owned_row_shards(x: jax.Array) -> list[tuple[int, np.ndarray]]:
+    """(first row, rows) of each row block of `x` that this process writes when publishing it
+    by row ranges: its addressable shards that are replica 0 (so a row block held by several
+    devices is written once), each copied from its own device. No communication: the rows of
+    other processes' devices are never fetched (issue 58: no whole copy anywhere)."""
+    out: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        rows, *rest = shard.index
+        if any(r != slice(None) and (r.start, r.stop) != (0, n) for r, n in zip(rest, x.shape[1:])):
+            raise ValueError(
+                f"owned_row_shards: {x.sharding} splits more than the rows of {x.shape}"
+            )
+        if shard.replica_id == 0:
+            out.setdefault(rows.start or 0, np.asarray(shard.data))
+    return sorted(out.items())
+
+
+def addressable_row_ranges(
+    sharding: NamedSharding, shape: tuple[int, ...]
+) -> list[tuple[int, int]]:
+    """The row ranges [a, b) that this process's devices hold of an array of `shape` under
+    `sharding`: what a reader loads of a row-sharded index, and nothing more."""
+    index_map = sharding.addressable_devices_indices_map(tuple(shape))
+    return sorted({(i[0].start or 0, i[0].stop or shape[0]) for i in index_map.values()})
+
+
 def _spans_every_process(x: jax.Array) -> bool:
     return len({d.process_index for d in x.sharding.device_set}) == jax.process_count()
 

@@ -25,12 +25,6 @@ from realm_jax.model.realm import doc_embedder_name
 log = logging.getLogger("realm_jax.refresh")
 
 
-def _host_embeddings(emb: jax.Array, num_blocks: int) -> np.ndarray:
-    """Sharded [Npad, D] device array -> host [N, D] (gathered across processes: every
-    process calls this)."""
-    return sharding.to_host(emb)[:num_blocks]
-
-
 def build_searcher(config, embeddings: np.ndarray):
     """A ScaNN searcher whose parameters come from config.refresh and the corpus size."""
     from realm_jax.index import scann as scann_index
@@ -117,12 +111,15 @@ class Refresher:
         return None
 
     def _publish(self, step: int, params, t0: float) -> str:
+        """Embed and publish by row ranges: each process writes the rows its devices hold
+        (store.publish_rows), so the matrix is never gathered on a device or a host; process
+        0 alone reads it back when a ScaNN searcher is built. Returns the path on process 0."""
         t_restore = time.time() - t0
         emb = self._embed({self.name: params}, step, t0)
-        host = _host_embeddings(emb, self.num_blocks)
+        parts = sharding.owned_row_shards(emb)  # this process's rows, device to host
         t_embed = time.time() - t0 - t_restore
-        if not np.isfinite(host).all():
-            bad = int((~np.isfinite(host).all(axis=1)).sum())
+        bad = store.non_finite_rows(parts, self.num_blocks)
+        if bad:
             log.error(
                 "refresh: checkpoint %d (%s) gives non-finite embeddings for %d of %d blocks: "
                 "not published; the trainer keeps its current index",
@@ -132,30 +129,37 @@ class Refresher:
                 self.num_blocks,
             )
             return ""
-        if jax.process_index() != 0:
-            return ""
         self._progress(step, "publish", t0, self.parts)
-        searcher = build_searcher(self.config, host) if self.config.refresh.build_scann else None
-        path = store.publish_index(
+        searcher_fn = None
+        if self.config.refresh.build_scann:
+            searcher_fn = lambda host: build_searcher(self.config, host)  # noqa: E731
+        t1 = time.time()
+        path = store.publish_rows(
             self.dir,
             step,
-            host,
-            searcher=searcher,
+            parts,
+            self.num_blocks,
+            int(emb.shape[1]),
+            searcher_fn=searcher_fn,
             extra={
                 "source_checkpoint": fs.join(paths.checkpoint_dir(self.workdir), str(step)),
                 "embed_seconds": t_embed,
                 "restore_seconds": t_restore,
             },
         )
-        retention.cleanup(self.dir, self.config.refresh.keep)
+        t_write = time.time() - t1
+        if jax.process_index() != 0:
+            return ""
+        _cleanup(self.dir, self.config.refresh.keep)
         log.info(
             "refresh: published index %d (%d blocks, restore %.2fs, embed %.2fs = %.0f "
-            "blocks/s, total %.2fs)",
+            "blocks/s, publish %.2fs, total %.2fs)",
             step,
             self.num_blocks,
             t_restore,
             t_embed,
             self.num_blocks / max(t_embed, 1e-9),
+            t_write,
             time.time() - t0,
         )
         return path
@@ -211,6 +215,15 @@ class Refresher:
             if wd is not None:
                 wd.beat(last)
         return done
+
+
+def _cleanup(index_dir: str, keep: int) -> None:
+    """Retention on process 0, best effort: a storage error is logged, never raised (the
+    other processes would wait for this one at their next collective)."""
+    try:
+        retention.cleanup(index_dir, keep)
+    except OSError as e:
+        log.warning("index: retention in %s failed (%s); old versions kept for now", index_dir, e)
 
 
 def _folder_id(mgr, step: int) -> tuple[int, int] | None:

@@ -319,3 +319,102 @@ def test_progress_is_written_before_the_index_folder_exists(tmp_path):
     ix.write_progress(idx, checkpoint=None, phase="loading the corpus")
     got = ix.read_progress(idx)
     assert got["phase"] == "loading the corpus" and got["checkpoint"] is None
+
+
+def _device_parts(emb: np.ndarray, devices: int = 4) -> list[tuple[int, np.ndarray]]:
+    """What each of `devices` devices holds of emb, padded to a multiple of them (as
+    sharding.owned_row_shards returns): the padding rows are zeros."""
+    per = -(-len(emb) // devices)
+    padded = np.zeros((per * devices, emb.shape[1]), np.float32)
+    padded[: len(emb)] = emb
+    return [(i * per, padded[i * per : (i + 1) * per]) for i in range(devices)]
+
+
+def test_publish_rows_writes_each_owners_rows_and_reads_back_any_range(tmp_path):
+    """Format 4: the rows as parts, one a device (the padding past num_blocks not written),
+    that partition the rows; the whole matrix (load_embeddings) and any range across parts
+    (load_rows, only the blocks holding it read) equal the source rows; the searcher is built
+    from exactly those rows; the version verifies and is found like any other."""
+    emb, seen = _emb(61, 16, seed=4), []
+    d = str(tmp_path)
+    path = ix.publish_rows(
+        d, 3, _device_parts(emb), 61, 16, searcher_fn=lambda h: seen.append(h.copy()),
+        block_rows=8, extra={"source_checkpoint": "c/3"},
+    )  # fmt: skip
+    m = ix.verify_version(path, expected_num_blocks=61, expected_dim=16)
+    assert m["format"] == 4 and m["source_checkpoint"] == "c/3" and not m["scann"]
+    spans = [(p["start"], p["stop"]) for p in m["row_parts"]]
+    assert spans == [(0, 16), (16, 32), (32, 48), (48, 61)]  # a partition, no padding
+    assert not os.path.exists(os.path.join(path, ix.EMBEDDINGS))
+    np.testing.assert_array_equal(ix.load_embeddings(path), emb)
+    np.testing.assert_array_equal(seen[0], emb)
+    parts, read = ix.load_rows(path, [(10, 20), (56, 64)])
+    np.testing.assert_array_equal(parts[(10, 20)], emb[10:20])
+    np.testing.assert_array_equal(parts[(56, 64)][:5], emb[56:61])
+    assert not parts[(56, 64)][5:].any()
+    assert read == (8 + 8 + 5) * 16 * 4  # rows 8-15 and 16-23 (two parts), 56-60
+    assert ix.latest_valid(d) == (3, path)
+    assert ix.publish_rows(d, 3, _device_parts(emb[::-1]), 61, 16) == path  # kept
+    np.testing.assert_array_equal(ix.load_embeddings(path), emb)
+    assert [n for n in os.listdir(d) if n.startswith(".tmp")] == []
+
+
+def test_publish_rows_checksums_catch_a_flipped_byte(tmp_path):
+    """A flipped byte in one part: the reader of that block names its rows and part; other
+    blocks read fine; a full verify and a whole load refuse the version."""
+    emb = _emb(64, 16, seed=5)
+    path = ix.publish_rows(str(tmp_path), 4, _device_parts(emb), 64, 16, block_rows=8)
+    rel = ix.part_name(32, 48)
+    fpath = os.path.join(path, *rel.split("/"))
+    with open(fpath, "rb") as f:
+        _, _, _, offset = ix._read_npy_header(f, fpath)
+    with open(fpath, "r+b") as f:
+        f.seek(offset + (42 - 32) * 16 * 4 + 1)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    np.testing.assert_array_equal(ix.load_rows(path, [(0, 40)])[0][(0, 40)], emb[:40])
+    with pytest.raises(ix.CorruptIndexError, match=f"rows 40-48 \\({rel}\\)"):
+        ix.load_rows(path, [(36, 44)])
+    with pytest.raises(ix.CorruptIndexError, match="checksum mismatch"):
+        ix.verify_version(path)
+    with pytest.raises(ix.CorruptIndexError):
+        ix.load_embeddings(path)
+
+
+def test_publish_rows_refuses_parts_that_do_not_partition_the_rows(tmp_path):
+    """A missing part (rows 16-31 nobody wrote) is refused at the commit: no version, no
+    temp dir left; so are non-finite rows (counted below num_blocks only)."""
+    parts = _device_parts(_emb(64, 8))
+    with pytest.raises(OSError, match="process 0 could not commit"):
+        ix.publish_rows(str(tmp_path), 5, parts[:1] + parts[2:], 64, 8)
+    assert os.listdir(tmp_path) == []
+    parts[1][1][3, 2] = np.nan
+    assert ix.non_finite_rows(parts, 64) == 1 and ix.non_finite_rows(parts, 16) == 0
+    with pytest.raises(OSError, match=r"process\(es\) \[0\] could not write"):
+        ix.publish_rows(str(tmp_path), 5, parts, 64, 8)
+    assert os.listdir(tmp_path) == []
+
+
+def test_owned_row_shards_are_this_processs_rows_once(tmp_path):
+    """sharding.owned_row_shards of a row-sharded array: each device's rows once (replicas
+    skipped), copied from the device; addressable_row_ranges: the same ranges."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from realm_jax import sharding
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    emb = _emb(8 * 4, 3)
+    x = sharding.put_rows(emb, mesh)
+    got = sharding.owned_row_shards(x)
+    assert [a for a, _ in got] == [0, 8, 16, 24]
+    np.testing.assert_array_equal(np.concatenate([r for _, r in got]), emb)
+    ranges = sharding.addressable_row_ranges(sharding.rows_sharding(mesh), emb.shape)
+    assert ranges == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    half = jax.device_put(emb, NamedSharding(mesh, P("data")))  # replicated over 'model'
+    assert [a for a, _ in sharding.owned_row_shards(half)] == [0, 16]
+    cols = jax.device_put(emb[:, :2], NamedSharding(mesh, P(None, "model")))
+    with pytest.raises(ValueError, match="more than the rows"):
+        sharding.owned_row_shards(cols)
