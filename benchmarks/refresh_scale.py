@@ -5,8 +5,11 @@ time and the index's staleness in each refresh mode -> docs/benchmarks.md.
 
 What is measured here (this machine): the base document embedder's throughput on CPU (blocks/s
 and its share of the CPU's own matmul peak, a sanity check of the FLOP count), and a published
-1M-block index (publish time; one of two hosts reading its half of the rows with per-block
-checksums: the swap's host-side cost, bytes counted). What is compiled (`realm-jax plan
+1M-block index published by row ranges as a 2-host job does it (store.publish_rows: one host
+writing its half with per-block checksums, and the whole publish on one process), then one of
+two hosts reading its half of the rows with per-block checksums: the swap's host-side cost,
+bytes counted. A refresh's time below includes its publish: each refresh host writes its share
+of the rows at the write rate measured here. What is compiled (`realm-jax plan
 --programs refresh` through libtpu in .venv-plan, when present): the refresh program's memory
 per device on each slice at 13.35M blocks. What is computed: FLOPs by hand (benchmarks/flops.py,
 which test_plan checks against XLA's cost analysis), times at one assumed share of the chips' bf16
@@ -121,20 +124,33 @@ def cpu_embedding(blocks: int) -> dict:
 
 
 def swap_cost(rows: int, dim: int) -> dict:
-    """Publish a rows x dim index, then read one of two hosts' halves (per-block checksums):
-    seconds and bytes, the host-side cost of a swap."""
+    """Publish a rows x dim index by row ranges (store.publish_rows, as the refresh job does:
+    one host's half alone, then the whole publish with its commit), then read one of two
+    hosts' halves (per-block checksums): seconds and bytes, the host-side costs of a refresh's
+    publish and of a swap."""
     rng = np.random.default_rng(1)
     emb = rng.standard_normal((rows, dim), dtype=np.float32)
+    half = rows // 2
+    block_rows = store.row_block_rows(rows)
     with tempfile.TemporaryDirectory(dir=os.path.join(REPO, "runs")) as d:
         t0 = time.perf_counter()
-        path = store.publish_index(d, 1, emb)
+        store.write_part(os.path.join(d, "one-host"), half, emb[half:], block_rows)
+        write_half = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        path = store.publish_rows(d, 1, [(0, emb[:half]), (half, emb[half:])], rows, dim)
         publish = time.perf_counter() - t0
-        half = rows // 2
         t0 = time.perf_counter()
         got, nbytes = store.load_rows(path, [(0, half)])
         read = time.perf_counter() - t0
         assert np.array_equal(got[(0, half)], emb[:half])
-    return {"rows": rows, "publish_s": publish, "read_half_s": read, "read_bytes": nbytes}
+    return {
+        "rows": rows,
+        "publish_s": publish,
+        "write_half_s": write_half,
+        "write_bytes": (rows - half) * dim * 4,
+        "read_half_s": read,
+        "read_bytes": nbytes,
+    }
 
 
 def plan_refresh(plan_python: str, slice_name: str, out_dir: str) -> dict | None:
@@ -181,6 +197,12 @@ def main() -> None:
     step_s = T / (peak(TRAINER) * u)
     # a swap: each trainer host reads its share of the rows (measured rate here), verified
     read_rate = swap["read_bytes"] / swap["read_half_s"]
+    write_rate = swap["write_bytes"] / swap["write_half_s"]
+
+    def publish_s(slice_name: str) -> float:
+        """A refresh's publish: each of the slice's hosts writes its share of the rows."""
+        return N * config.model.proj_size * 4 / hosts(slice_name) / write_rate
+
     host_bytes = N * config.model.proj_size * 4 / hosts(TRAINER)
     swap_s = host_bytes / read_rate
     every = int(config.refresh.every)
@@ -191,7 +213,7 @@ def main() -> None:
         rows.append((mode, where, refresh_s, interval, max_age, lost, inline))
 
     # in-process: the whole corpus on the trainer's devices between two steps, every E steps
-    refresh_s = R / (peak(TRAINER) * u)
+    refresh_s = R / (peak(TRAINER) * u) + publish_s(TRAINER)  # inprocess keeps each index
     row("inprocess", f"trainer ({TRAINER})", refresh_s, every, every, ratio / (ratio + every))
     # amortized: 1/E of a pass before each step; a row is 1 .. 2E-1 steps old
     row(
@@ -212,7 +234,7 @@ def main() -> None:
     goal = None
     read_steps = swap_s / step_s
     for s in REFRESH_SLICES:
-        r_s = R / (peak(s) * u)
+        r_s = R / (peak(s) * u) + publish_s(s)
         interval = r_s / step_s
         max_age = args.checkpoint_every + 2 * interval + check + read_steps
         inline = swap_s / (max(interval, check) * step_s + swap_s)
@@ -234,9 +256,10 @@ def main() -> None:
         f"{cpu['flops_per_s'] / cpu['matmul_peak']:.0%} of this CPU's matmul peak "
         f"({cpu['matmul_peak'] / 1e9:.1f} GFLOP/s): at that rate one refresh would take "
         f"{N / cpu['blocks_per_s'] / 86400:,.0f} days on this machine;",
-        f"- a {swap['rows']:,}-row index: published in {swap['publish_s']:.1f} s "
-        f"({swap['rows'] * config.model.proj_size * 4 / swap['publish_s'] / 1e6:.0f} MB/s with "
-        f"per-block SHA-256); one of two hosts reading and verifying its half: "
+        f"- a {swap['rows']:,}-row index published by row ranges: one of two hosts writes its "
+        f"half in {swap['write_half_s']:.2f} s ({write_rate / 1e6:.0f} MB/s with per-block "
+        f"SHA-256), the whole publish on one process {swap['publish_s']:.1f} s; one of two "
+        "hosts reading and verifying its half: "
         f"{swap['read_half_s']:.2f} s for {swap['read_bytes'] / 1e6:.0f} MB "
         f"({read_rate / 1e6:.0f} MB/s, local disk).",
         "",
@@ -252,11 +275,16 @@ def main() -> None:
         f"published figures): a {TRAINER} step {step_s:.2f} s;",
         f"- a swap in external mode: each of the trainer's {hosts(TRAINER)} hosts reads "
         f"{host_bytes / 1e9:.2f} GB at the rate measured above: {swap_s:.1f} s (from gs:// "
-        "the rate is the bucket's, not this disk's).",
+        "the rate is the bucket's, not this disk's);",
+        f"- a publish (in every refresh's time below): each refresh host writes its share of "
+        f"the {N * config.model.proj_size * 4 / 1e9:.1f} GB at the write rate above, "
+        f"{publish_s(TRAINER):.1f} s on the {hosts(TRAINER)} hosts of a {TRAINER}, "
+        f"{publish_s(REFRESH_SLICES[0]):.1f} s on a {REFRESH_SLICES[0]}; no device or host holds "
+        "the whole matrix to publish it.",
         "",
-        "| mode | refresh runs on | one refresh (min) | refresh interval (steps) | "
-        "oldest index row served (steps) | trainer time lost to refresh | the same with "
-        "refresh.background_reads=false |",
+        "| mode | refresh runs on | one refresh with its publish (min) | "
+        "refresh interval (steps) | oldest index row served (steps) | "
+        "trainer time lost to refresh | the same with refresh.background_reads=false |",
         "|---|---|---|---|---|---|---|",
     ]
     for mode, where, r_s, interval, max_age, lost, inline in rows:

@@ -81,17 +81,15 @@ class IndexFeed:
         self.last_swap_bytes = 0  # bytes of embeddings this process read for its last swap
         self._bad: set[int] = set()  # versions rejected by a row checksum
         self._pending = None  # background_reads: (step, path, _Read) being read
+        self._reading = f"{owner}-next"  # the lease on a version being read, until its swap
+        self._lookout = _Lookout(self._look)  # process 0's looks beside the steps
         self._warned = -1
         self.health = None  # raises when `local`'s refresh job has died (lockstep waits)
 
     def _my_ranges(self) -> tuple[tuple[int, int], list[tuple[int, int]]]:
         """(padded matrix shape, the row ranges this process's devices hold)."""
         shape = (int(self.tokens.shape[0]), int(self.config.model.proj_size))
-        index_map = sharding.rows_sharding(self.mesh).addressable_devices_indices_map(shape)
-        ranges = sorted(
-            {(idx[0].start or 0, idx[0].stop or shape[0]) for idx in index_map.values()}
-        )
-        return shape, ranges
+        return shape, sharding.addressable_row_ranges(sharding.rows_sharding(self.mesh), shape)
 
     def _load_published(self, step: int, path: str) -> bool:
         """Swap in version `step`: each process reads and verifies only the rows its own
@@ -109,6 +107,7 @@ class IndexFeed:
         if not _all_processes(not read.error):
             self._bad.add(step)
             log.warning("index: version %d rejected (%s)", step, read.error or "on another process")
+            self._lease(None)
             return False
         shape, rows = self._my_ranges()[0], sharding.rows_sharding(self.mesh)
         parts = read.parts
@@ -119,8 +118,7 @@ class IndexFeed:
         self.emb, self.step = new, step
         self.last_swap_bytes = read.nbytes
         self.last_swap_seconds = time.time() - t0 + read.waited
-        if jax.process_index() == 0:
-            retention.mark_in_use(self.dir, step, self.owner)
+        self._lease(step)
         log.info(
             "index: now using version %d (%s), read %.1f MB of its %.1f MB on this host in "
             "%.2fs%s, the trainer waited %.2fs",
@@ -133,6 +131,43 @@ class IndexFeed:
             self.last_swap_seconds,
         )
         return True
+
+    def _lease(self, step: int | None) -> None:
+        """Process 0, after a swap (`step`) or a rejection (None): the trainer's lease moves to
+        the version now used and the lease taken for the read is dropped. Best effort: a
+        storage error is logged (raising on process 0 alone would leave the others waiting)."""
+        if jax.process_index() != 0:
+            return
+        try:
+            if step is not None:
+                retention.mark_in_use(self.dir, step, self.owner)
+            retention.release(self.dir, self._reading)
+        except OSError as e:
+            log.warning("index: could not update the lease in %s (%s)", self.dir, e)
+
+    def _look(self, newer_than: int):
+        """Process 0: the newest valid version newer than `newer_than`, leased (owner
+        `<owner>-next`) BEFORE any process reads it, so retention cannot delete it mid-read;
+        checked again after the lease (retention may have removed it just before). None when
+        there is none, or storage fails (logged: a later look tries again)."""
+        try:
+            found = self._newest(newer_than)
+            if found is None:
+                return None
+            retention.mark_in_use(self.dir, found[0], self._reading)
+            self._check_structure(found[1])
+            return found
+        except (store.CorruptIndexError, OSError) as e:
+            log.warning("index: looking for a new version in %s failed (%s)", self.dir, e)
+            return None
+
+    def _check_structure(self, path: str) -> None:
+        store.verify_version(
+            path,
+            expected_num_blocks=self.num_blocks,
+            expected_dim=self.config.model.proj_size,
+            checksum=False,  # each process checks the sha256 of the rows it reads
+        )
 
     def _newest(self, newer_than: int):
         # structure only: each process verifies the rows it reads (_load_published)
@@ -223,16 +258,20 @@ class IndexFeed:
     def _keep(self, step: int) -> None:
         """Inprocess mode: publish the index just embedded as version `step` in the workdir's
         index folder (refresh.keep versions kept), for a resume before the next refresh (see
-        start) and for `ask` and `export`. N x proj_size floats (12 MB for 23.5k blocks at
-        128) every refresh.every steps; a collective (every process gathers the rows)."""
+        start) and for `ask` and `export`. By row ranges (store.publish_rows): each process
+        writes the rows its devices hold, nothing is gathered; a collective."""
         t0 = time.time()
-        host = sharding.to_host(self.emb)[: self.num_blocks]
-        if not np.isfinite(host).all():  # the loop stops such a run (train.max_nonfinite)
+        parts = sharding.owned_row_shards(self.emb)
+        if store.non_finite_rows(parts, self.num_blocks):  # the loop stops such a run
             log.warning("index: step %d's embeddings are not finite: not kept", step)
             return
+        dim = int(self.emb.shape[1])
+        store.publish_rows(self.dir, step, parts, self.num_blocks, dim, extra={"inprocess": True})
         if jax.process_index() == 0:
-            store.publish_index(self.dir, step, host, extra={"inprocess": True})
-            retention.cleanup(self.dir, self.config.refresh.keep)
+            try:
+                retention.cleanup(self.dir, self.config.refresh.keep)
+            except OSError as e:  # best effort: raising here alone would hang the others
+                log.warning("index: retention in %s failed (%s)", self.dir, e)
         log.info("index: version %d kept in %s (%.2fs)", step, self.dir, time.time() - t0)
 
     def embed_next_slice(self, params, step: int) -> bool:
@@ -268,15 +307,17 @@ class IndexFeed:
 
     def close(self) -> None:
         """Release the trainer's lease on its index version (the refresher may delete it)."""
-        if self.mode == "external" and self.step >= 0 and jax.process_index() == 0:
-            retention.release(self.dir, self.owner)
+        if self.mode == "external" and jax.process_index() == 0:
+            if self.step >= 0:
+                retention.release(self.dir, self.owner)
+            retention.release(self.dir, self._reading)
 
     def _agreed_newest(self, newer_than: int | None = None):
         """The newest valid version newer than ours (or than `newer_than`), the same on every
         process: process 0 looks, the others follow (a version published between two
         processes' looks must not split them)."""
         after = self.step if newer_than is None else newer_than
-        found = self._newest(after) if jax.process_index() == 0 else None
+        found = self._look(after) if jax.process_index() == 0 else None
         chosen = _process_0s(-1 if found is None else found[0])
         if chosen < 0:
             return None
@@ -289,12 +330,9 @@ class IndexFeed:
         if jax.process_index() == 0:
             path = fs.join(self.dir, store.version_name(step))
             try:
-                store.verify_version(
-                    path,
-                    expected_num_blocks=self.num_blocks,
-                    expected_dim=self.config.model.proj_size,
-                    checksum=False,  # _load_published checks the sha256 as it reads
-                )
+                self._check_structure(path)
+                retention.mark_in_use(self.dir, step, self._reading)  # before any read
+                self._check_structure(path)  # still there once leased
                 ok = True
             except (store.CorruptIndexError, OSError):
                 ok = False
@@ -364,13 +402,44 @@ class IndexFeed:
                 return False  # a host is still reading: look again at the next due step
             self._pending = None
             return self._swap_in(step, path, read)
-        found = self._agreed_newest()
+        # process 0 lists the store in a background thread (never on the training thread)
+        found = self._lookout.poll(self.step) if jax.process_index() == 0 else None
+        chosen = _process_0s(-1 if found is None else found[0])
+        found = None if chosen < 0 else (chosen, fs.join(self.dir, store.version_name(chosen)))
         if found is not None:
             read = _Read(found[1], self._my_ranges()[1])
             threading.Thread(target=read.run, name=f"index-read-{found[0]}", daemon=True).start()
             self._pending = (found[0], found[1], read)
             log.info("index: reading version %d beside the training steps", found[0])
         return False
+
+
+class _Lookout:
+    """Process 0's looks for a newer version (listing and checking the store, then the
+    lease), each in a background thread, so the training thread never waits on storage: a
+    due step starts a look, and a later due step takes its answer (once)."""
+
+    def __init__(self, look):
+        self.look, self.thread, self.found = look, None, None
+
+    def poll(self, newer_than: int):
+        """The answer of the last finished look ((step, path) or None); starts the next look
+        when none is running and there was nothing to hand over."""
+        if self.thread is not None:
+            if self.thread.is_alive():
+                return None
+            self.thread = None
+            found, self.found = self.found, None
+            if found is not None and found[0] > newer_than:
+                return found
+        self.thread = threading.Thread(
+            target=self._run, args=(newer_than,), name="index-lookout", daemon=True
+        )
+        self.thread.start()
+        return None
+
+    def _run(self, newer_than: int) -> None:
+        self.found = self.look(newer_than)
 
 
 class _Read:

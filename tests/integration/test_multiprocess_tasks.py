@@ -119,6 +119,31 @@ for step in range(4, 400):
 got = sharding.to_host(feed.emb)
 assert feed.step == 5 and np.array_equal(got[: len(emb)], emb[::-1]), feed.step
 print(f"SWAP5 {pid} {step}", flush=True)
+# publish by row ranges: each process writes only its devices' rows; nothing of the matrix is
+# gathered (every process_allgather is of one flag, no to_host)
+from jax.experimental import multihost_utils
+real_gather = multihost_utils.process_allgather
+def small_gather(x, *a, **k):
+    assert np.size(x) == 1, f"gathered {np.shape(x)}"
+    return real_gather(x, *a, **k)
+multihost_utils.process_allgather = small_gather
+sharding.to_host = None
+mine = sharding.owned_row_shards(feed.emb)
+print("WROTE", pid, [(a, a + len(r)) for a, r in mine], flush=True)
+path = store.publish_rows(os.path.join(workdir, "index"), 11, mine, len(emb), 128, block_rows=8)
+assert np.array_equal(store.load_embeddings(path), emb[::-1])
+# a process that cannot write its rows: both processes raise, naming it, neither waits
+real_write = store.write_part
+def broken(*a, **k):
+    raise OSError("disk full (injected)")
+store.write_part = broken if pid == 1 else real_write
+try:
+    store.publish_rows(os.path.join(workdir, "index"), 12, mine, len(emb), 128)
+    raise AssertionError("published without process 1's rows")
+except OSError as e:
+    assert "process(es) [1]" in str(e), e
+assert 12 not in store.list_versions(os.path.join(workdir, "index"))
+print(f"ROWS {pid} OK", flush=True)
 jax.distributed.shutdown()
 """
 
@@ -222,7 +247,9 @@ def test_a_swap_reads_only_the_rows_of_the_hosts_devices(tmp_path, monkeypatch):
     row-sharded index they build together equals the published one (61 blocks padded to 64:
     16 rows a device, blocks of 8 rows; process 0 holds rows 0-31, process 1 rows 32-63 of
     which 32-60 exist); a newer version read beside the steps is swapped in by both processes
-    at the same look."""
+    at the same look. Then both publish it by row ranges (store.publish_rows): each writes only
+    its devices' rows, no collective gathers more than a flag, the version reads back equal;
+    a process that cannot write makes both raise, naming it."""
     monkeypatch.setenv("SWAP_WORKDIR", str(tmp_path / "work"))
     log = str(tmp_path / "swap")
     out = _wait({"swap": (_start(["-c", SWAP_WORKER], 2, log), log)})["swap"]
@@ -242,6 +269,10 @@ def test_a_swap_reads_only_the_rows_of_the_hosts_devices(tmp_path, monkeypatch):
         if line.startswith("SWAP5 ")
     }
     assert len(swapped) == 2 and len(set(swapped.values())) == 1, out
+    # publish by row ranges: each process wrote the rows of its own devices (16 a device)
+    wrote = [line for o in out for line in o.splitlines() if line.startswith("WROTE ")]
+    assert sorted(wrote) == ["WROTE 0 [(0, 16), (16, 32)]", "WROTE 1 [(32, 48), (48, 64)]"]
+    assert all(f"ROWS {pid} OK" in out[pid] for pid in (0, 1)), out
 
 
 @pytest.fixture(scope="module")

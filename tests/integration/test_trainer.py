@@ -291,15 +291,74 @@ def test_a_new_index_is_read_beside_the_training_steps(tmp_path, monkeypatch, ba
         assert feed.maybe_refresh(None, 2) and feed.step == 7
         assert feed.last_swap_seconds > 0
     else:
-        t0 = time.time()
-        for step in range(2, 6):
+        t0, step = time.time(), 2
+        # the first looks find the version (process 0 lists the store in a background
+        # thread, so a look's answer comes at a later look) and start reading it
+        while feed._pending is None and step < 200:
             assert not feed.maybe_refresh(None, step) and feed.step == 1
+            step += 1
+            time.sleep(0.02)
+        for later in range(step, step + 4):
+            assert not feed.maybe_refresh(None, later) and feed.step == 1
+        step = later
         assert time.time() - t0 < 10  # no look waited for the held read
         release.set()
         assert feed._pending[2].done.wait(60)
-        assert feed.maybe_refresh(None, 6) and feed.step == 7
+        assert feed.maybe_refresh(None, step + 1) and feed.step == 7
     got = sharding.to_host(feed.emb)[: len(emb)]
     np.testing.assert_array_equal(got, emb[::-1])
+
+
+def test_retention_keeps_a_version_while_the_trainer_reads_it(tmp_path, monkeypatch):
+    """The lease comes before the read: while a host reads version 7 (held here), the refresh
+    job publishes 8 and 9 and its retention (keep 1) removes 8 but neither 7 (being read) nor
+    1 (in use); after the swap the trainer's lease names 7 and the read's lease is gone, so
+    the next retention removes 1. Discovery ran off the training thread (process 0's lookout)."""
+    import threading
+
+    from realm_jax.index import feed as feed_module
+    from realm_jax.index import retention
+    from realm_jax.model.realm import realm_model
+    from tests.support.realm_fixtures import synthetic_index, tiny_config
+
+    cfg = tiny_config("refresh.mode=external", "refresh.background_reads=true")
+    mesh = sharding.make_mesh(cfg.mesh)
+    emb, tokens = synthetic_index(cfg)
+    idx = index_dir(str(tmp_path))
+    store.publish_index(idx, 1, emb)
+    feed = IndexFeed(cfg, str(tmp_path), mesh, realm_model(cfg.model), tokens)
+    feed.start(None, 1)
+    store.publish_index(idx, 7, emb[::-1].copy())
+    release, real, looked_from = threading.Event(), store.load_rows, []
+    monkeypatch.setattr(
+        feed_module.store, "load_rows", lambda *a, **k: (release.wait(60), real(*a, **k))[1]
+    )
+    real_newest = feed._newest
+    monkeypatch.setattr(
+        feed,
+        "_newest",
+        lambda after: (looked_from.append(threading.current_thread()), real_newest(after))[1],
+    )
+    step = 2
+    while feed._pending is None and step < 200:
+        assert not feed.maybe_refresh(None, step)
+        step, _ = step + 1, time.sleep(0.02)
+    assert feed._pending[0] == 7 and retention.leased_steps(idx) == {1, 7}
+    assert looked_from and threading.main_thread() not in looked_from
+    for s in (8, 9):
+        store.publish_index(idx, s, emb)
+    removed = retention.cleanup(idx, keep=1)
+    assert [os.path.basename(p) for p in removed] == ["step_00000008"]
+    assert store.list_versions(idx) == [1, 7, 9]
+    release.set()
+    assert feed._pending[2].done.wait(60)
+    assert feed.maybe_refresh(None, step) and feed.step == 7
+    np.testing.assert_array_equal(sharding.to_host(feed.emb)[: len(emb)], emb[::-1])
+    assert retention.leased_steps(idx) == {7}
+    retention.cleanup(idx, keep=1)
+    assert store.list_versions(idx) == [7, 9]
+    feed.close()
+    assert retention.leased_steps(idx) == set()
 
 
 @pytest.mark.system  # CI: ScaNN in unit/test_index.py
