@@ -227,7 +227,11 @@ class Profile:
     def before(self, step: int) -> None:
         """Before the call that trains step `step` (1-based)."""
         if self.span and step == self.span[0] and not self.on:
-            jax.profiler.start_trace(self.logdir)
+            try:
+                jax.profiler.start_trace(self.logdir)
+            except Exception as e:  # a trace is not worth the run (a logdir it cannot write)
+                log.warning("train.profile_steps: no trace (%s)", e)
+                return
             self.on = True
 
     def after(self, step: int, metrics) -> None:
