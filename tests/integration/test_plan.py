@@ -3,11 +3,7 @@ a count of the parameters, clear failures for broken meshes and programs that do
 rematerialisation lowering XLA's compiled temporaries. The base-on-64-devices compile is slow
 and marked (make test-slow)."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -15,27 +11,9 @@ from flax import linen as nn
 
 from realm_jax import plan
 from realm_jax.config import load_config
-from tests.conftest import REPO
+from tests.support.plan_runs import run_plan
 
 SMOKE = ["--config", "configs/realm.py:smoke", "--num_blocks", "500"]
-
-
-def run_plan(tmp_path, *args, name="plan.json", timeout=600):
-    """The plan command in a fresh process (it fixes the number of fake CPU devices);
-    (returncode, stdout, stderr, the JSON figures or None)."""
-    out_json = tmp_path / name
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run(
-        [sys.executable, "-m", "realm_jax", "plan", *args, "--json", str(out_json)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    figures = json.loads(out_json.read_text()) if out_json.exists() else None
-    return p.returncode, p.stdout, p.stderr, figures
 
 
 # Cloud TPU's slice shapes as its documentation (and maxtext's table) names them.
