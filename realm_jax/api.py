@@ -105,6 +105,9 @@ def load(
         with cfg.unlocked():  # a relative data_dir of a run started elsewhere: from there
             cfg.data.data_dir = os.path.join(ran_in, d)
     validate(cfg)
+    from realm_jax.ops import mips
+
+    mips.set_default_chunk(int(cfg.mesh.get("mips_chunk", mips.DEFAULT_CHUNK)))
     return Model(cfg, workdir, checkpoint)
 
 

@@ -402,6 +402,10 @@ def _run(args, overrides: list[str]) -> int:
     from realm_jax import runtime
 
     runtime.setup(args)
+    runtime.compilation_cache(config.mesh.get("compilation_cache_dir", ""))
+    from realm_jax.ops import mips
+
+    mips.set_default_chunk(int(config.mesh.get("mips_chunk", mips.DEFAULT_CHUNK)))
     from realm_jax.train.loop import TrainingStopped
 
     try:

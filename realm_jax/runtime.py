@@ -97,6 +97,22 @@ def setup(args) -> None:
         )
 
 
+def compilation_cache(folder: str) -> str:
+    """Turn on XLA's persistent compilation cache in `folder` (config
+    mesh.compilation_cache_dir; "" = off) unless JAX_COMPILATION_CACHE_DIR already chose one.
+    Returns the folder in use ("" for none). maxtext does the same (jax_cache_dir)."""
+    import jax
+
+    chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    if chosen or not folder:
+        return chosen
+    if "://" not in folder:
+        folder = os.path.expanduser(folder)
+        os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
+
+
 # What the error of a collective says when a process at its other end is gone or stalled:
 # gloo's TCP pairs on CPU (a killed peer resets the connection; a new communicator waits 30 s
 # for a peer's address), the coordination service's RPCs when process 0 is gone.
