@@ -28,7 +28,14 @@ def guarded_update(state: TrainState, grads, metrics: dict, optimizer) -> TrainS
     device (no host sync): a skipped step leaves params and optimizer state as they were and
     counts in `nonfinite`; the loop stops the run past train.max_nonfinite in a row. The
     step counter advances either way, as the data iterator does. Adds grad_norm and
-    nonfinite to metrics."""
+    nonfinite to metrics.
+
+    Not optax.apply_if_finite, on purpose: it checks the updates only (a NaN loss with finite
+    gradients would pass), keeps its count inside the optimizer state (so a run's checkpoints
+    change tree when it is added or removed, and the loop cannot read the count without
+    knowing the optimizer's structure), and counts every skipped step where we count those in
+    a row, which is what train.max_nonfinite bounds. The cost is the same: one global norm
+    and a select over the state, on device."""
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
