@@ -30,12 +30,12 @@ def guarded_update(state: TrainState, grads, metrics: dict, optimizer) -> TrainS
     step counter advances either way, as the data iterator does. Adds grad_norm and
     nonfinite to metrics.
 
-    Not optax.apply_if_finite, on purpose: it checks the updates only (a NaN loss with finite
-    gradients would pass), keeps its count inside the optimizer state (so a run's checkpoints
-    change tree when it is added or removed, and the loop cannot read the count without
-    knowing the optimizer's structure), and counts every skipped step where we count those in
-    a row, which is what train.max_nonfinite bounds. The cost is the same: one global norm
-    and a select over the state, on device."""
+    Not optax.apply_if_finite (optax 0.2), on purpose: it checks the gradients only (a NaN
+    loss over finite gradients passes), and past max_consecutive_errors in a row it gives up
+    and applies the non-finite update, where a run here stops with its last good checkpoint
+    (train.max_nonfinite); its counts live inside the optimizer state, so adding or removing
+    it changes the checkpoints' tree. The cost is the same: a global norm and a select, on
+    device."""
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
