@@ -225,7 +225,11 @@ def _index_args(config, mesh, num_blocks: int, with_embeddings: bool = True):
 
     rows = sharding.rows_sharding(mesh)
     n = sharding.padded_rows(num_blocks, mesh)
-    tokens = _abstract((n, config.data.block_len), jnp.int32, rows)
+    tokens = _abstract(  # uint16 ids when the vocabulary fits (index/embedding.py token_dtype)
+        (n, config.data.block_len),
+        jnp.uint16 if config.model.vocab_size <= 65536 else jnp.int32,
+        rows,
+    )
     emb = _abstract((n, config.model.proj_size), jnp.float32, rows) if with_embeddings else None
     return emb, tokens
 

@@ -459,7 +459,7 @@ def load_block_rows(
 
 @dataclasses.dataclass(frozen=True)
 class RowShardedTokens:
-    """The block token table on a mesh: `rows` [Npad, block_len] int32, rows sharded over
+    """The block token table on a mesh: `rows` [Npad, block_len] uint16, rows sharded over
     every device (sharding.rows_sharding) and zero-padded to a multiple of the device count,
     as index.embedding.pad_index + sharding.put_rows make it from the whole table; built by
     sharded_block_tokens from each process's own rows only. shape is the unpadded table's
@@ -493,11 +493,21 @@ def sharded_block_tokens(data_dir: str, mesh, with_titles: bool = False) -> RowS
     ranges = sorted({(i[0].start or 0, i[0].stop or shape[0]) for i in index_map.values()})
     local_titles = {} if with_titles else None
     parts = load_block_rows(data_dir, ranges, titles=local_titles)
+    parts = {r: _token_table(p) for r, p in parts.items()}
     array = jax.make_array_from_callback(
         shape, rows, lambda idx: parts[(idx[0].start or 0, idx[0].stop or shape[0])]
     )
     titles = _gather_titles(local_titles, n) if with_titles else None
     return RowShardedTokens(array, n, titles)
+
+
+def _token_table(ids: np.ndarray) -> np.ndarray:
+    """A process's rows of the device token table in uint16 (2 bytes an id, as
+    index/embedding.py token_dtype chooses for the bundled 30,522-word vocabulary): every
+    process the same dtype, whatever its rows hold; an id past 65535 is an error, not a wrap."""
+    if ids.size and int(ids.max()) > np.iinfo(np.uint16).max:
+        raise ValueError(f"block token id {int(ids.max())} does not fit the uint16 token table")
+    return ids.astype(np.uint16)
 
 
 def _gather_titles(local: dict[tuple[int, int], list[str]], n: int) -> list[str]:

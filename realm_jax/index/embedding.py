@@ -1,5 +1,6 @@
 """The corpus on device: block token ids row-sharded over every device (padded so each holds
-the same number), and the jitted function that embeds them all with live parameters."""
+the same number; uint16 when the vocabulary fits, token_dtype), and the jitted function that
+embeds them all with live parameters."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from realm_jax.model.realm import realm_model
 
 def embed_block_tokens(model, params, tokens, rng=None):
     """Document-embedder output for block token ids [N, Lb] -> [N, D] (segments and mask
-    derived from the tokens); dropout when an rng is given."""
+    derived from the tokens); dropout when an rng is given. Ids of any integer dtype (a uint16
+    table's rows): cast to int32 here, for the rows embedded only."""
+    tokens = tokens.astype(jnp.int32)
     return model.apply(
         {"params": params},
         tokens,
@@ -40,11 +43,12 @@ def embed_query_tokens(model, params, ids, rng=None):
     )
 
 
-def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
+def embed_blocks_fn(model, mesh: Mesh, batch_size: int, dtype=None):
     """A jitted function embedding every block of a row-sharded token table with live params.
 
-    (params, tokens [N, Lb]) -> embeddings [N, D] sharded like tokens. Used by the in-process
-    refresh and the refresh job. Blocks are embedded in chunks of batch_size rows per device.
+    (params, tokens [N, Lb]) -> embeddings [N, D] sharded like tokens (in `dtype` when given:
+    index_dtype's bfloat16 halves the index). Used by the in-process refresh and the refresh
+    job. Blocks are embedded in chunks of batch_size rows per device.
     """
     rows = sharding.rows_sharding(mesh)
 
@@ -61,6 +65,7 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int):
             flat = tc.reshape(n_dev * chunk, -1)
             flat = jax.lax.with_sharding_constraint(flat, rows)
             e = embed_block_tokens(model, params, flat)
+            e = e if dtype is None else e.astype(dtype)
             return None, e.reshape(n_dev, chunk, -1)
 
         _, out = jax.lax.scan(one, None, t)  # [steps, n_dev, chunk, D]
@@ -113,11 +118,35 @@ def slice_embed_fn(model, mesh: Mesh, every: int, batch_size: int = 0):
     return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)
 
 
-def pad_index(emb: np.ndarray | None, tokens: np.ndarray, mesh: Mesh):
-    """(embeddings [N, D] float32 or None, tokens [N, Lb] int32) padded with zero rows so
-    every device holds the same number; padded rows are never retrieved (num_valid)."""
-    tok = sharding.pad_rows(np.asarray(tokens, np.int32), mesh)
-    return (None if emb is None else sharding.pad_rows(np.asarray(emb, np.float32), mesh)), tok
+# The largest vocabulary whose ids fit the 16-bit token table (ids 0 .. 65535).
+UINT16_VOCAB = 65536
+# mesh.index_dtype's choices: how the block embeddings are held on device.
+INDEX_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+
+
+def token_dtype(vocab_size: int):
+    """The token table's dtype for ids below vocab_size: uint16 (2 bytes an id: 7.7 GB for
+    13.35M x 288 blocks) when they fit, else int32. Fetched rows come back int32."""
+    return np.uint16 if int(vocab_size) <= UINT16_VOCAB else np.int32
+
+
+def index_dtype(config):
+    """The block embeddings' dtype on device (mesh.index_dtype: float32 or bfloat16; scores
+    are summed in float32 either way, ops/mips.py)."""
+    name = str(config.mesh.get("index_dtype", "float32"))
+    if name not in INDEX_DTYPES:
+        raise ValueError(f"mesh.index_dtype must be one of {sorted(INDEX_DTYPES)}, got {name!r}")
+    return INDEX_DTYPES[name]
+
+
+def pad_index(emb: np.ndarray | None, tokens: np.ndarray, mesh: Mesh, emb_dtype=np.float32):
+    """(embeddings [N, D] in emb_dtype or None, tokens [N, Lb] in token_dtype of their largest
+    id) padded with zero rows so every device holds the same number; padded rows are never
+    retrieved (num_valid). Every process holds the whole table, so all choose one dtype."""
+    tokens = np.asarray(tokens)
+    top = int(tokens.max()) + 1 if tokens.size else 1
+    tok = sharding.pad_rows(tokens.astype(token_dtype(top)), mesh)
+    return (None if emb is None else sharding.pad_rows(np.asarray(emb, emb_dtype), mesh)), tok
 
 
 def abstract_params(config, mesh: Mesh, name: str):

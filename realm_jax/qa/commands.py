@@ -17,7 +17,7 @@ from realm_jax import checkpoint, fs, sharding, watchdog
 from realm_jax import workdir as paths
 from realm_jax.data import datasets, pipeline
 from realm_jax.index import store
-from realm_jax.index.embedding import abstract_params
+from realm_jax.index.embedding import abstract_params, index_dtype
 from realm_jax.index.refresher import build_searcher
 from realm_jax.model.realm import realm_model
 from realm_jax.qa import data as qa_data
@@ -56,9 +56,10 @@ def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenInd
     found = store.latest_valid(idir, expected_num_blocks=len(tokens), expected_dim=dim)
     if found is not None:
         log.info("frozen index: %s", found[1])
-        return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens)
+        return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
     t0 = time.perf_counter()
-    index, host = FrozenIndex.embed(mesh, model, params, tokens, config.refresh.embed_batch_size)
+    batch, dtype = config.refresh.embed_batch_size, index_dtype(config)
+    index, host = FrozenIndex.embed(mesh, model, params, tokens, batch, dtype)
     log.info(
         "embedded %d blocks in %.1f s (the frozen index)", len(tokens), time.perf_counter() - t0
     )
@@ -248,7 +249,7 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
     else:
         net, params, source = realm_model(config.model), None, "no model (retrieval alone)"
     if index is None:
-        index = FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens)
+        index = FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
     gold = (tokens, doc_ids) if retriever == "gold" else None  # the host table: gold only
     predictor = Predictor(config, mesh, net, index, ddir, retriever, blocks=gold)
     return predictor, params, source

@@ -46,25 +46,27 @@ RETRIEVERS = ("dense", "bm25", "hybrid", "gold")
 
 @dataclasses.dataclass
 class FrozenIndex:
-    """The frozen block embeddings and token table, row-sharded on device."""
+    """The frozen block embeddings and token table, row-sharded on device (the embeddings in
+    float32 or mesh.index_dtype's bfloat16; the tokens uint16 when the vocabulary fits)."""
 
     emb: jax.Array  # [N padded, D]
     tokens: jax.Array  # [N padded, Lb]
     num_blocks: int
 
     @classmethod
-    def put(cls, mesh, emb: np.ndarray, tokens: np.ndarray) -> FrozenIndex:
-        e, t = pad_index(emb, tokens, mesh)
+    def put(cls, mesh, emb: np.ndarray, tokens: np.ndarray, dtype=np.float32) -> FrozenIndex:
+        e, t = pad_index(emb, tokens, mesh, dtype)
         return cls(sharding.put_rows(e, mesh), sharding.put_rows(t, mesh), len(tokens))
 
     @classmethod
-    def embed(cls, mesh, model, params, tokens: np.ndarray, batch_size: int):
-        """Embed every block with the document embedder in `params` -> (index, host emb)."""
+    def embed(cls, mesh, model, params, tokens: np.ndarray, batch_size: int, dtype=np.float32):
+        """Embed every block with the document embedder in `params` -> (index, host emb): the
+        host copy float32 (what is published), the device one in `dtype`."""
         _, t = pad_index(None, tokens, mesh)
         t = sharding.put_rows(t, mesh)
         emb = embed_blocks_fn(model, mesh, batch_size)(params, t)
         host = sharding.to_host(emb).astype(np.float32)[: len(tokens)]
-        return cls(emb, t, len(tokens)), host
+        return cls(emb.astype(dtype), t, len(tokens)), host
 
 
 def span_text(title: str, text: str, tokens, start: int, end: int) -> str:
