@@ -158,6 +158,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # time, a running top-k, so it holds [batch, chunk] float32 scores, never [batch, N/devices]
     # (6.8 GB a chip at the paper's scale on 4 chips). Ids as with the whole shard at once.
     c.mesh.mips_chunk = 65536  # index rows a device scores at once; 0 = its whole shard
+    # XLA's persistent compilation cache (jax_compilation_cache_dir): a restart, a resumed
+    # job or the next command on the same config loads its programs instead of compiling them
+    # (minutes at base). A local folder per host, or a gs:// folder the hosts share; "" = off.
+    # JAX_COMPILATION_CACHE_DIR, when set, wins (the tests share one cache that way).
+    c.mesh.compilation_cache_dir = "~/.cache/realm-jax/xla"  # "" = no persistent cache
     # The block embeddings on device (index/embedding.py index_dtype): bfloat16 halves the index
     # (3.4 GB instead of 6.8 at the paper's scale); the search sums its products in float32.
     # Measured on clustered random data (tests/unit/test_index_dtypes.py): recall@10 of the
