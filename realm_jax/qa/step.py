@@ -104,38 +104,37 @@ def span_correct(joint_ids, block_mask, answers, starts, ends):
     return hit.any(axis=2)
 
 
-def retrieve(params, question_ids, index_emb, index_tokens, *, model, mesh, k, num_valid, rng=None):
+def retrieve(params, question_ids, index_emb, *, model, mesh, k, num_valid, rng=None):
     """Top-k blocks by exact MIPS: (block ids [B, k], retrieval logits [B, k] (differentiable
-    in the query embedder; the index is frozen), block tokens [B, k, Lb], query embeddings
-    [B, D])."""
+    in the query embedder; the index is frozen), query embeddings [B, D]). No tokens: the
+    caller fetches those of the blocks it reads (fetch_rows) and tests the rest where they
+    live (block_has_answer)."""
     q = embed_query_tokens(model, params, question_ids, rng)  # [B, D]
     none = jnp.full((q.shape[0],), -1, jnp.int32)
-    _, ids, tokens = mips.search_and_fetch(
-        mesh, jax.lax.stop_gradient(q), index_emb, index_tokens, none, k=k, num_valid=num_valid
-    )
-    rows = mips.fetch_rows(mesh, index_emb, ids)  # [B, k, D]
-    return ids, jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype)), tokens, q
+    _, ids = mips.search(mesh, jax.lax.stop_gradient(q), index_emb, none, k=k, num_valid=num_valid)
+    # [B, k, D] rows of the beam for a differentiable logit: B x k x D x 4 bytes all-reduced
+    # (164 MB at base: 64 x 5000 x 128), the step's largest fetch now the tokens are not
+    rows = mips.fetch_rows(mesh, index_emb, ids)
+    return ids, jnp.einsum("bd,bkd->bk", q, rows.astype(q.dtype)), q
 
 
-def insert_gold(q, ids, logits, tokens, gold, index_emb, index_tokens, *, mesh):
+def insert_gold(q, ids, logits, gold, index_emb, *, mesh):
     """qa.gold_in_beam: the reader beam with each question's gold block in its last slot where
     retrieval missed it (a deviation from ORQA; see the module docstring).
 
-    q [B, D] query embeddings; ids / logits [B, R], tokens [B, R, Lb]: the top R retrieved;
-    gold [B] int32 (-1: none). The gold block's row and tokens are gathered from the
-    row-sharded index like any retrieved block's (fetch_rows), its logit is q . index_emb[gold]
-    (differentiable in the query embedder, as the retrieved ones). Shapes do not change.
-    Returns (ids, logits, tokens, inserted [B] bool)."""
+    q [B, D] query embeddings; ids / logits [B, R]: the top R retrieved; gold [B] int32 (-1:
+    none). The gold block's row is gathered from the row-sharded index like any retrieved
+    block's (fetch_rows), its logit is q . index_emb[gold] (differentiable in the query
+    embedder, as the retrieved ones); its tokens come with the other read blocks'. Shapes do
+    not change. Returns (ids, logits, inserted [B] bool)."""
     last = ids.shape[1] - 1
     inserted = (gold >= 0) & ~(ids == gold[:, None]).any(axis=1)
     safe = jnp.maximum(gold, 0)[:, None]  # [B, 1]; a -1 row reads block 0, then is dropped
     row = mips.fetch_rows(mesh, index_emb, safe)[:, 0]  # [B, D]
-    tok = mips.fetch_rows(mesh, index_tokens, safe)[:, 0]  # [B, Lb]
     logit = jnp.einsum("bd,bd->b", q, row.astype(q.dtype)).astype(logits.dtype)
     ids = ids.at[:, last].set(jnp.where(inserted, gold, ids[:, last]))
     logits = logits.at[:, last].set(jnp.where(inserted, logit, logits[:, last]))
-    tokens = tokens.at[:, last].set(jnp.where(inserted[:, None], tok, tokens[:, last]))
-    return ids, logits, tokens, inserted
+    return ids, logits, inserted
 
 
 def read(params, question_ids, block_tokens, *, model, length: int, rng=None):
@@ -182,23 +181,16 @@ def qa_loss(
     retrieval logits) and query_emb [B, D], for inspection and tests (not for the loop's logs)."""
     k, R = beams
     q_ids, answers = batch["question_ids"], batch["answer_ids"]
-    ids, r_logits, tokens, q = retrieve(
-        params,
-        q_ids,
-        index_emb,
-        index_tokens,
-        model=model,
-        mesh=mesh,
-        k=k,
-        num_valid=num_valid,
-        rng=rng,
+    ids, r_logits, q = retrieve(
+        params, q_ids, index_emb, model=model, mesh=mesh, k=k, num_valid=num_valid, rng=rng
     )
-    r_correct = contains_answer(tokens, answers)  # [B, k]
-    read_ids, rel, read_tokens = ids[:, :R], r_logits[:, :R], tokens[:, :R]
+    r_correct = block_has_answer(ids, answers, index_tokens, mesh=mesh)  # [B, k]
+    read_ids, rel = ids[:, :R], r_logits[:, :R]
     if gold_in_beam:  # a deviation from ORQA (the module docstring); the retriever loss stays
-        read_ids, rel, read_tokens, inserted = insert_gold(
-            q, read_ids, rel, read_tokens, batch["gold_block"], index_emb, index_tokens, mesh=mesh
+        read_ids, rel, inserted = insert_gold(
+            q, read_ids, rel, batch["gold_block"], index_emb, mesh=mesh
         )
+    read_tokens = mips.fetch_rows(mesh, index_tokens, read_ids)  # [B, R, Lb]: R, not k, rows
     logits, starts, ends, j_ids, bmask = read(
         params, q_ids, read_tokens, model=model, length=length, rng=rng
     )
@@ -362,12 +354,12 @@ def predict(
 
 
 def search(params, question_ids, index_emb, index_tokens, *, model, mesh, k, num_valid):
-    """Dense top-k: (block ids [B, k], scores [B, k]), best first."""
+    """Dense top-k: (block ids [B, k], scores [B, k]), best first (index_tokens unused: the
+    evaluator's calls pass it; no tokens are fetched)."""
+    del index_tokens
     q = embed_query_tokens(model, params, question_ids)
     none = jnp.full((q.shape[0],), -1, jnp.int32)
-    scores, ids, _ = mips.search_and_fetch(
-        mesh, q, index_emb, index_tokens, none, k=k, num_valid=num_valid
-    )
+    scores, ids = mips.search(mesh, q, index_emb, none, k=k, num_valid=num_valid)
     return ids, scores
 
 
@@ -380,5 +372,9 @@ def dense_scores(params, question_ids, block_ids, index_emb, *, model, mesh):
 
 
 def block_has_answer(block_ids, answers, index_tokens, *, mesh):
-    """[B, k] whether each block holds an answer (recall@k), for any retriever's ids."""
-    return contains_answer(mips.fetch_rows(mesh, index_tokens, block_ids), answers)
+    """[B, k] whether each block holds an answer (the retriever loss's targets, recall@k), for
+    any retriever's ids [B, k]; answers [B, A, La]. Tested on the device that owns each block
+    (mips.owner_test): [B, k] flags cross the mesh, not the beam's [B, k, Lb] tokens (at base,
+    64 x 5000 x 288 ids: 369 MB int32 a step). Each device still matches [B, k, Lb] against
+    the answers (zeros where it owns no block), as every device did with the tokens fetched."""
+    return mips.owner_test(mesh, index_tokens, block_ids, contains_answer, answers)
