@@ -35,6 +35,8 @@ SETTINGS = {
     "v3-64-f32": ("v3-64", ["--config.model.dtype=float32"]),
     "v3-64-fsdp": ("v3-64", ["--config.mesh.fsdp=true"]),
     "v4-64": ("v4-64", []),
+    "v5e-256": ("v5e-256", []),
+    "v5p-128": ("v5p-128", []),
     # the other tasks' base variants on the same slice (ORQA's batches: ICT 4096, QA 64)
     "v3-64 ict": ("v3-64", [], "configs/ict.py:base"),
     "v3-64 qa": ("v3-64", [], "configs/orqa.py:base"),

@@ -46,17 +46,28 @@ class Family:
     devices_per_chip: int  # JAX devices a chip shows: 2 (v2/v3 cores) or 1 (megacore, v5e)
     hbm_gib: float  # HBM per JAX device
     chip_config: str = "default"  # libtpu's chip_config_name
+    hbm_gbps: float | None = None  # HBM bandwidth per chip, GB/s (None: not published)
+    ici_gbps: float | None = (
+        None  # bidirectional ICI bandwidth per chip, GB/s (None: not published)
+    )
 
 
 # Public Cloud TPU figures: v2 8 GiB and v3 16 GiB per TensorCore (each a device); v4 32 GiB,
-# v5p 95 GiB per chip (megacore: one device); v5e 16 GiB, v6e 32 GiB per chip.
+# v5p 95 GiB per chip (megacore: one device); v5e 16 GiB, v6e 32 GiB per chip. Bandwidths per
+# chip from the "key specifications" tables of docs.cloud.google.com/tpu/docs/{v3,v4,v5e,
+# v5p,v6e}: HBM v3 900, v4 1200, v5e 819, v5p 2765, v6e 1638 GB/s; "bidirectional
+# inter-chip interconnect (ICI) bandwidth (per chip)" v5e 400, v5p 1200, v6e 800 GB/s (older
+# versions of those pages: "Interchip Interconnect BW" 1600 and 4800 Gbps, one direction).
+# Not published per chip: v2's HBM bandwidth (its page has no specifications), v2/v3/v4 ICI
+# (their pages give only per-Pod all-reduce and bisection bandwidth), so the roofline leaves
+# those terms out. The bf16 peaks are train/instruments.py's PEAK_FLOPS (per JAX device).
 FAMILIES = {
     "v2": Family("v2", 2, True, 2, 8),
-    "v3": Family("v3", 2, True, 2, 16),
-    "v4": Family("v4", 3, True, 1, 32, "megacore"),
-    "v5p": Family("v5", 3, True, 1, 95, "megacore"),
-    "v5e": Family("v5e", 2, False, 1, 16),
-    "v6e": Family("v6e", 2, False, 1, 32),
+    "v3": Family("v3", 2, True, 2, 16, hbm_gbps=900),
+    "v4": Family("v4", 3, True, 1, 32, "megacore", hbm_gbps=1200),
+    "v5p": Family("v5", 3, True, 1, 95, "megacore", hbm_gbps=2765, ici_gbps=1200),
+    "v5e": Family("v5e", 2, False, 1, 16, hbm_gbps=819, ici_gbps=400),
+    "v6e": Family("v6e", 2, False, 1, 32, hbm_gbps=1638, ici_gbps=800),
 }
 PREFIX_FAMILY = {f.prefix: name for name, f in FAMILIES.items()}
 
@@ -485,6 +496,118 @@ def comm_audit(compiled, program: Program, config, mesh) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------ roofline
+
+# Instructions that move no HBM bytes of their own (a loop's body is counted through its
+# multiplier, not through its while instruction).
+_NO_TRAFFIC = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+    "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
+}  # fmt: skip
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction (the text after its opcode's parenthesis)."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _computation_cost(lines, fused: bool) -> tuple[float, float]:
+    """(dot FLOPs, operand + result bytes outside fusions) of one computation's instructions."""
+    from realm_jax import hlo_audit
+
+    parsed = [m.groups() for m in map(hlo_audit._INSTR.match, lines) if m]
+    shapes = {name: hlo_audit._arrays(shape) for name, shape, _, _ in parsed}
+    flops = traffic = 0.0
+    for name, _, opcode, rest in parsed:
+        ops = _operands(rest)
+        if opcode == "dot" and ops and shapes.get(ops[0]):
+            dims = _CONTRACTING.search(rest)
+            lhs = shapes[ops[0]][0][1]
+            k = math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d) if dims else 1
+            flops += 2.0 * sum(math.prod(d) for _, d in shapes[name]) * k
+        if not fused and opcode not in _NO_TRAFFIC:
+            arrays = shapes[name] + [a for o in ops for a in shapes.get(o, [])]
+            traffic += hlo_audit._nbytes(arrays)
+    return flops, traffic
+
+
+def loop_cost(hlo_text: str) -> tuple[float, float]:
+    """(FLOPs, bytes) XLA's cost analysis leaves out: it counts a while loop's body once, so
+    each computation that runs n > 1 times a step adds (n - 1) x its dots' FLOPs and its
+    (unfused) instructions' operand and result bytes (loop trip counts from hlo_audit)."""
+    from realm_jax import hlo_audit
+
+    comps, entry, callees = hlo_audit._parse(hlo_text)
+    mult = hlo_audit._multipliers(entry, callees) if entry else {}
+    fused = set(re.findall(r"\sfusion\(.*?calls=%?([\w.\-]+)", hlo_text))
+    flops = traffic = 0.0
+    for comp, lines in comps.items():
+        n = mult.get(comp, (1,))[0]
+        if n > 1:
+            f, b = _computation_cost(lines, comp in fused)
+            flops, traffic = flops + (n - 1) * f, traffic + (n - 1) * b
+    return flops, traffic
+
+
+def chip_rates(target: Target, device) -> dict:
+    """Per JAX device: bf16 peak FLOP/s (train/instruments.py's PEAK_FLOPS; on cpu:N the
+    measured matmul ceiling), HBM and ICI bytes/s (Family's published figures per chip over
+    its devices; None where not published)."""
+    from realm_jax.train import instruments
+
+    if target.platform == "cpu":
+        return {"peak_flops": instruments.peak_flops(device), "hbm_bw": None, "ici_bw": None}
+    fam = FAMILIES[target.family]
+    per = fam.devices_per_chip
+    return {  # "v5p" finds PEAK_FLOPS's "v5" (first match), as device_kind "TPU v5" does
+        "peak_flops": next((p for k, p in instruments.PEAK_FLOPS if k in target.family), None),
+        "hbm_bw": fam.hbm_gbps * 1e9 / per if fam.hbm_gbps else None,
+        "ici_bw": fam.ici_gbps * 1e9 / per if fam.ici_gbps else None,
+    }
+
+
+def roofline(flops: float, hbm_bytes: float, comm_bytes: float, rates: dict) -> dict:
+    """Step time per device = max(FLOPs / peak, HBM bytes / HBM bandwidth, collective bytes
+    / ICI bandwidth); a term whose rate is unknown is None and left out; `bound` names the
+    largest (compute, memory or communication)."""
+    terms = {
+        "compute": (flops, rates.get("peak_flops")),
+        "memory": (hbm_bytes, rates.get("hbm_bw")),
+        "communication": (comm_bytes, rates.get("ici_bw")),
+    }
+    seconds = {k: (n / r if r else None) for k, (n, r) in terms.items()}
+    known = {k: v for k, v in seconds.items() if v is not None}
+    bound = max(known, key=known.get) if known else None
+    return {
+        "flops": flops,
+        "hbm_bytes": hbm_bytes,
+        "comm_bytes": comm_bytes,
+        "seconds": seconds,
+        "step_seconds": known[bound] if bound else None,
+        "bound": bound,
+        "rates": rates,
+    }
+
+
+def program_roofline(compiled, comm_bytes: float, rates: dict) -> dict:
+    """The roofline of a compiled program from XLA's cost analysis (per device: the
+    partitioned program's), with the loop trips it counts once added (loop_cost)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    extra_flops, extra_bytes = loop_cost(compiled.as_text())
+    xla = {"flops": float(cost.get("flops", 0)), "bytes": float(cost.get("bytes accessed", 0))}
+    out = roofline(xla["flops"] + extra_flops, xla["bytes"] + extra_bytes, comm_bytes, rates)
+    out["xla_cost_analysis"] = xla  # as XLA counts it: each loop body once
+    return out
+
+
 # ------------------------------------------------------------------------------ compile
 
 
@@ -500,9 +623,10 @@ def _compile(program: Program):
         raise
 
 
-def analyse(program: Program, hbm_bytes: int | None, config=None, mesh=None) -> dict:
+def analyse(program: Program, hbm_bytes: int | None, config=None, mesh=None, rates=None) -> dict:
     """Per-device bytes: each group of arguments, and XLA's memory analysis of the program;
-    with the config and mesh, its collectives beside the design's bound (comm_audit)."""
+    with the config and mesh, its collectives beside the design's bound (comm_audit); with
+    the chip's rates (chip_rates), its roofline step time (program_roofline)."""
     import time
 
     t0 = time.perf_counter()
@@ -534,6 +658,9 @@ def analyse(program: Program, hbm_bytes: int | None, config=None, mesh=None) -> 
     out.update(xla=xla, total=total, fits=hbm_bytes is None or total <= hbm_bytes)
     if config is not None and mesh is not None:
         out["communication"] = comm_audit(compiled, program, config, mesh)
+    if rates is not None:
+        comm = out.get("communication", {}).get("total_bytes", 0)
+        out["roofline"] = program_roofline(compiled, comm, rates)
     return out
 
 
@@ -577,7 +704,34 @@ def format_report(head: dict, results: list[dict]) -> str:
             )
             lines.append(f"  {'of HBM':<34}{share:8.0%}   {verdict}")
         lines += _format_communication(r.get("communication"))
+        lines += _format_roofline(r.get("roofline"))
     return "\n".join(lines)
+
+
+def _format_roofline(rf: dict | None) -> list[str]:
+    if not rf:
+        return []
+    rates = rf["rates"]
+    terms = []
+    for (k, t), rate, unit in zip(
+        rf["seconds"].items(),
+        (rates["peak_flops"], rates["hbm_bw"], rates["ici_bw"]),
+        ("TFLOP/s", "GB/s", "GB/s"),
+    ):
+        scale = 1e12 if unit == "TFLOP/s" else 1e9
+        terms.append(
+            f"{k} {t:.4f} s (at {rate / scale:,.0f} {unit})"
+            if t is not None
+            else f"{k} - (no published rate)"
+        )
+    step = rf["step_seconds"]
+    return [
+        f"  roofline per device per step: {rf['flops']:.3g} FLOP, "
+        f"{rf['hbm_bytes'] / GiB:.2f} GiB HBM traffic, {rf['comm_bytes'] / GiB:.3f} GiB "
+        "collectives",
+        "    " + "; ".join(terms),
+        f"    step >= {step:.4f} s: {rf['bound']}-bound" if step else "    no rates: no bound",
+    ]
 
 
 def _format_communication(c: dict | None) -> list[str]:
@@ -652,9 +806,10 @@ def plan(
         programs = [p for p in programs if p.name.startswith("refresh") == (only == "refresh")]
         if not programs:
             raise PlanError(f"--programs {only}: task {config.task!r} has no such program")
+    rates = chip_rates(target, devices[0])
     for program in programs:
         log.info("compiling %s for %s", program.name, target.name)
-        results.append(analyse(program, target.hbm_bytes, config, mesh))
+        results.append(analyse(program, target.hbm_bytes, config, mesh, rates))
     return head, results
 
 

@@ -200,3 +200,45 @@ def test_refresh_slice_plan_and_the_flop_count_it_is_read_with(tmp_path):
     cost = fn.lower({name: params}, tokens).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     assert cost["flops"] == pytest.approx(embedder_flops(e, n, config.data.block_len), rel=0.1)
+
+
+def test_roofline_counts_every_loop_trip_and_names_the_bound():
+    """XLA's cost analysis counts a while loop's body once; plan adds the other trips
+    (loop_cost): the refresh program on 2 devices (250 blocks each, 5 chunks of 50) then
+    matches benchmarks/flops.py's hand count of the document embedder. The step time is the
+    largest of the compute, memory and communication terms, and the bound names it; a rate
+    not published leaves its term out."""
+    from benchmarks.flops import embedder_flops
+    from realm_jax import sharding
+    from realm_jax.model.bert import ModelConfig
+
+    config = load_config("configs/realm.py:smoke")
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
+    program = plan.refresh_program(config, mesh, 500)
+    rates = {"peak_flops": 1e12, "hbm_bw": 1e11, "ici_bw": 1e10}
+    rf = plan.analyse(program, None, config, mesh, rates)["roofline"]
+    hand = embedder_flops(ModelConfig.from_config(config.model, "embedder"), 250, 128)
+    assert rf["flops"] == pytest.approx(hand, rel=0.05)
+    assert rf["xla_cost_analysis"]["flops"] < 0.3 * hand  # one trip of five
+    assert rf["hbm_bytes"] > rf["xla_cost_analysis"]["bytes"] > 0
+    assert rf["seconds"]["compute"] == pytest.approx(rf["flops"] / 1e12)
+    assert rf["step_seconds"] == max(rf["seconds"].values())
+    assert rf["seconds"][rf["bound"]] == rf["step_seconds"]
+
+    for bound, r in {"compute": 1e9, "memory": 1e7, "communication": 1e5}.items():
+        out = plan.roofline(1e12, 1e9, 1e8, dict(rates, **{_RATE[bound]: r}))
+        assert out["bound"] == bound and out["step_seconds"] == max(out["seconds"].values())
+    out = plan.roofline(1e12, 1e12, 1e12, dict(rates, ici_bw=None))
+    assert out["seconds"]["communication"] is None and out["bound"] == "memory"
+
+
+_RATE = {"compute": "peak_flops", "memory": "hbm_bw", "communication": "ici_bw"}
+
+
+def test_chip_rates_per_device_from_the_published_figures():
+    """Per chip over the chip's devices: a v3 chip is two devices; v5p one (megacore)."""
+    v3 = plan.chip_rates(plan.parse_target("v3-64"), None)
+    assert v3 == {"peak_flops": 61.5e12, "hbm_bw": 450e9, "ici_bw": None}
+    v5p = plan.chip_rates(plan.parse_target("v5p-128"), None)
+    assert v5p == {"peak_flops": 459e12, "hbm_bw": 2765e9, "ici_bw": 1200e9}
+    assert plan.chip_rates(plan.parse_target("v5e-256"), None)["ici_bw"] == 400e9
