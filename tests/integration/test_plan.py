@@ -84,7 +84,7 @@ def test_smoke_plan_figures(tmp_path):
     assert params * 2 <= g["optimizer state"] <= params * 2 + 1024  # mu, nu (+ counts)
     c = load_config("configs/realm.py:smoke")
     assert g["block embeddings shard"] == 125 * c.model.proj_size * 4
-    assert g["token table shard"] == 125 * c.data.block_len * 4
+    assert g["token table shard"] == 125 * c.data.block_len * 2  # uint16 ids
     assert train["xla"]["temporaries"] > 0 and not train["fits"]
     x = train["xla"]
     assert train["total"] == (
@@ -168,7 +168,7 @@ def test_base_plans_on_a_64_device_topology(tmp_path):
     head, train = fig["header"], fig["programs"][0]
     assert head["devices"] == 64 and head["per_data_shard"] == 8
     assert head["num_blocks"] == plan.WIKIPEDIA_BLOCKS
-    assert train["groups"]["token table shard"] == -(-plan.WIKIPEDIA_BLOCKS // 64) * 288 * 4
+    assert train["groups"]["token table shard"] == -(-plan.WIKIPEDIA_BLOCKS // 64) * 288 * 2
     if plan.libtpu_version() is not None:
         assert rc == 0 and all(p["fits"] for p in fig["programs"]), out
 
