@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from realm_jax import fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.index import retention, store
-from realm_jax.index.embedding import embed_blocks_fn, pad_index, slice_embed_fn
+from realm_jax.index.embedding import embed_blocks_fn, index_dtype, pad_index, slice_embed_fn
 from realm_jax.model.realm import RealmModel
 
 log = logging.getLogger("realm_jax.refresh")
@@ -67,7 +67,10 @@ class IndexFeed:
             self.tokens = sharding.put_rows(tok, mesh)  # [Npad, Lb]
         else:  # datasets.RowShardedTokens: already padded and row-sharded on this mesh
             self.tokens = tokens.rows
-        self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
+        # mesh.index_dtype: the embeddings on device (bfloat16 halves them); published and
+        # read as float32 rows, so a version serves either setting.
+        self.dtype = index_dtype(config)
+        self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size, self.dtype)
         self.emb = None  # [Npad, D]
         if self.mode == "amortized":
             self.every = int(config.refresh.every)
@@ -112,7 +115,9 @@ class IndexFeed:
         shape, rows = self._my_ranges()[0], sharding.rows_sharding(self.mesh)
         parts = read.parts
         new = jax.make_array_from_callback(
-            shape, rows, lambda idx: parts[(idx[0].start or 0, idx[0].stop or shape[0])]
+            shape,
+            rows,
+            lambda idx: parts[(idx[0].start or 0, idx[0].stop or shape[0])].astype(self.dtype),
         )
         new.block_until_ready()
         self.emb, self.step = new, step
@@ -261,7 +266,7 @@ class IndexFeed:
         start) and for `ask` and `export`. By row ranges (store.publish_rows): each process
         writes the rows its devices hold, nothing is gathered; a collective."""
         t0 = time.time()
-        parts = sharding.owned_row_shards(self.emb)
+        parts = [(at, rows.astype(np.float32)) for at, rows in sharding.owned_row_shards(self.emb)]
         if store.non_finite_rows(parts, self.num_blocks):  # the loop stops such a run
             log.warning("index: step %d's embeddings are not finite: not kept", step)
             return
