@@ -6,6 +6,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from realm_jax import sharding
@@ -13,6 +14,7 @@ from realm_jax.data import datasets
 from realm_jax.data import ict as ict_data
 from realm_jax.index.bm25 import BM25Retriever, recall_at_k
 from realm_jax.index.embedding import embed_blocks_fn, embed_query_tokens, pad_index
+from realm_jax.ops import mips
 
 log = logging.getLogger("realm_jax.ict")
 
@@ -72,7 +74,13 @@ class IctEvaluator:
         _, tok = pad_index(None, tokens, mesh)
         self.tokens = sharding.put_rows(tok, mesh)
         self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size)
-        self.embed_q = jax.jit(functools.partial(embed_query_tokens, model))
+        self.embed_q = sharding.traced_in_mesh(
+            jax.jit(functools.partial(embed_query_tokens, model)), mesh
+        )
+        # the exact sharded search: the blocks' embeddings stay on their devices (issue 58:
+        # gathering them whole put the index on every device and host at each evaluation)
+        search = functools.partial(mips.search, mesh, k=max(self.ks), num_valid=self.num_blocks)
+        self.search = sharding.traced_in_mesh(jax.jit(search), mesh)
         self.baseline = self._bm25(texts, sentences) if config.ict.bm25_baseline else {}
 
     def keys(self, top: np.ndarray) -> np.ndarray:
@@ -89,23 +97,17 @@ class IctEvaluator:
         return {f"bm25_{k}": v for k, v in out.items()}
 
     def __call__(self, state, step: int) -> dict[str, float]:
-        # every process embeds its rows and its share of the queries, then gathers them all
-        # (sharding.to_host): each process scores the same and returns the same recall
+        # every device embeds its rows and searches them (ops/mips.py); only the top ids
+        # [Q, k] come to the hosts, so every process returns the same recall
         if len(self.q) == 0:
             return {"examples": 0.0}
-        emb = sharding.to_host(self.embed(state.params, self.tokens)).astype(np.float32)
-        emb = emb[: self.num_blocks]
-        q = np.concatenate(
-            [
-                sharding.to_host(self.embed_q(state.params, self.q[i : i + 256]))
-                for i in range(0, len(self.q), 256)
-            ]
-        )
-        scores = q @ emb.T  # [Q, N]
-        k = max(self.ks)
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        order = np.take_along_axis(scores, top, 1).argsort(1)[:, ::-1]
-        top = np.take_along_axis(top, order, 1)
+        emb = self.embed(state.params, self.tokens)  # [Npad, D], row-sharded
+        tops = []
+        for i in range(0, len(self.q), 256):
+            q = self.embed_q(state.params, self.q[i : i + 256])  # [b, D]
+            none = jnp.full((q.shape[0],), -1, jnp.int32)
+            tops.append(sharding.to_host(self.search(q, emb, none)[1]))
+        top = np.concatenate(tops)  # [Q, k], best first
         out = recall_at_k(self.keys(top), self.gold, self.ks)
         out.update(self.baseline)
         out["examples"] = float(len(self.q))

@@ -59,13 +59,19 @@ def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenInd
         return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
     t0 = time.perf_counter()
     batch, dtype = config.refresh.embed_batch_size, index_dtype(config)
-    index, host = FrozenIndex.embed(mesh, model, params, tokens, batch, dtype)
+    index, emb = FrozenIndex.embed(mesh, model, params, tokens, batch, dtype)
     log.info(
         "embedded %d blocks in %.1f s (the frozen index)", len(tokens), time.perf_counter() - t0
     )
-    if jax.process_index() == 0:
-        searcher = build_searcher(config, host) if config.refresh.build_scann else None
-        store.publish_index(idir, 0, host, searcher=searcher, extra={"frozen": True})
+    # By row ranges, as the refresh job publishes: each process writes its devices' rows;
+    # process 0 reads them back only to build ScaNN (a collective: every process calls it).
+    searcher_fn = None
+    if config.refresh.build_scann:
+        searcher_fn = lambda host: build_searcher(config, host)  # noqa: E731
+    parts = sharding.owned_row_shards(emb)
+    store.publish_rows(
+        idir, 0, parts, len(tokens), dim, searcher_fn=searcher_fn, extra={"frozen": True}
+    )
     return index
 
 

@@ -60,13 +60,13 @@ class FrozenIndex:
 
     @classmethod
     def embed(cls, mesh, model, params, tokens: np.ndarray, batch_size: int, dtype=np.float32):
-        """Embed every block with the document embedder in `params` -> (index, host emb): the
-        host copy float32 (what is published), the device one in `dtype`."""
+        """Embed every block with the document embedder in `params` -> (index, the float32
+        embeddings [Npad, D] row-sharded on the mesh: what is published, by row ranges). The
+        index holds them in `dtype`. Never gathered whole on a device or a host (issue 58)."""
         _, t = pad_index(None, tokens, mesh)
         t = sharding.put_rows(t, mesh)
         emb = embed_blocks_fn(model, mesh, batch_size)(params, t)
-        host = sharding.to_host(emb).astype(np.float32)[: len(tokens)]
-        return cls(emb.astype(dtype), t, len(tokens)), host
+        return cls(emb.astype(dtype), t, len(tokens)), emb
 
 
 def span_text(title: str, text: str, tokens, start: int, end: int) -> str:
@@ -122,18 +122,18 @@ class Predictor:
                 blocks = (tokens, doc_ids)
             self.gold_table = blocks
         kw = dict(model=model, mesh=mesh)
-        self._predict = jax.jit(
-            functools.partial(qa_step.predict, length=qa_step.reader_len(config), **kw)
+
+        def jit(fn, **more):  # traced in the mesh, as the train step: its sharding rules apply
+            return sharding.traced_in_mesh(jax.jit(functools.partial(fn, **kw, **more)), mesh)
+
+        self._predict = jit(qa_step.predict, length=qa_step.reader_len(config))
+        self._search = jit(qa_step.search, k=self.depth, num_valid=index.num_blocks)
+        self._has = sharding.traced_in_mesh(
+            jax.jit(functools.partial(qa_step.block_has_answer, mesh=mesh)), mesh
         )
-        self._search = jax.jit(
-            functools.partial(qa_step.search, k=self.depth, num_valid=index.num_blocks, **kw)
-        )
-        self._has = jax.jit(functools.partial(qa_step.block_has_answer, mesh=mesh))
         if retriever == "hybrid":
-            self._pool_search = jax.jit(
-                functools.partial(qa_step.search, k=self.pool, num_valid=index.num_blocks, **kw)
-            )
-            self._dense_scores = jax.jit(functools.partial(qa_step.dense_scores, **kw))
+            self._pool_search = jit(qa_step.search, k=self.pool, num_valid=index.num_blocks)
+            self._dense_scores = jit(qa_step.dense_scores)
         self._bm25 = None
         self._texts: dict[int, str] = {}
 
