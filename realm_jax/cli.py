@@ -28,6 +28,10 @@ COMMANDS = {
     "world": "generate a seeded knowledge world (corpus, annotated text, QA) into --workdir",
 }
 
+# Training commands: their process's watchdog runs from start-up (the checkpoint restore) to
+# shut-down (the final save), not only around the loop (watchdog.for_process; issue 58).
+WATCHED = ("train", "local", "ict", "finetune")
+
 # command -> "module:function" (imported only when run). `train` and `local` depend on the
 # config's task (config.task): TASK_COMMANDS[task][command].
 ENTRY = {
@@ -408,11 +412,18 @@ def _run(args, overrides: list[str]) -> int:
     mips.set_default_chunk(int(config.mesh.get("mips_chunk", mips.DEFAULT_CHUNK)))
     from realm_jax.train.loop import TrainingStopped
 
+    if args.command in WATCHED:  # from start-up to shut-down (watchdog.for_process)
+        from realm_jax import watchdog
+
+        watchdog.for_process(config.train, f"realm-jax {args.command}")
     try:
         rc = getattr(importlib.import_module(module), function)(config, args) or 0
     except TrainingStopped as e:
         print(f"realm-jax {args.command}: stopped: {e}", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        if args.command in WATCHED:
+            watchdog.release()
     if rc == 0 and args.command in RECORDS_CONFIG:  # what realm_jax.load(workdir) reads back
         import jax
 

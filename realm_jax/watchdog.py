@@ -126,6 +126,13 @@ class Watchdog:
                 if slow:
                     self._last = time.monotonic()
 
+    def phase(self, name: str) -> None:
+        """Enter a slow stage that lasts until close: a command's work after its loop (a final
+        evaluation, an export), bounded by first_timeout_s rather than by the steps' bound."""
+        with self._lock:
+            self._stage, self._stage_bound = name, self.first
+            self._last = time.monotonic()
+
     def bound(self) -> float:
         """The current bound in seconds (module docstring)."""
         with self._lock:
@@ -294,3 +301,33 @@ def from_config(section, what: str, prefix: str = "train") -> Watchdog:
     """A Watchdog with the bounds of a config section (`prefix`: its name in the config, for
     the error; every caller passes config.train)."""
     return Watchdog(what, *config_bounds(section, prefix))
+
+
+# The process's watchdog (issue 58: cover the whole process, not only the loop). The CLI makes
+# one for a training command before anything else runs, so the checkpoint manager's
+# constructor, the restore and data set-up are bounded by first_step_timeout_s too (a storage
+# that never answers at start-up exits); the loop uses it for its steps and the final save, and
+# the CLI closes it once the command has returned. A caller of loop.run without the CLI (tests,
+# scripts) gets a watchdog of the loop's own, as before.
+_process: Watchdog | None = None
+
+
+def for_process(section, what: str, prefix: str = "train") -> Watchdog:
+    """Start the process's watchdog (from_config's bounds); the one running if there is one."""
+    global _process
+    if _process is None:
+        _process = from_config(section, what, prefix)
+    return _process
+
+
+def current() -> Watchdog | None:
+    """The process's watchdog, None when no command started one."""
+    return _process
+
+
+def release() -> None:
+    """Close the process's watchdog (the command is over)."""
+    global _process
+    if _process is not None:
+        _process.close()
+        _process = None

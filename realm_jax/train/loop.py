@@ -6,6 +6,7 @@ metrics. A fix here (checkpointing, the stop signal, logging) lands once for all
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -145,17 +146,20 @@ def init_or_resume(mgr, state, shardings, it, data_args, *, fingerprint=None):
     save_args, restore_args = data_args
     if fingerprint is not None:
         mgr.fingerprint = fingerprint  # every later checkpoint.save records it
-    restored = checkpoint.restore_latest(
-        mgr,
-        checkpoint.abstract_like(state, shardings),
-        lambda: restore_args(it),
-        fingerprint=fingerprint,
-    )
+    wd = watchdog.current()  # the CLI's: a restore or first save that hangs exits
+    with wd.stage("checkpoint restore", slow=True) if wd else contextlib.nullcontext():
+        restored = checkpoint.restore_latest(
+            mgr,
+            checkpoint.abstract_like(state, shardings),
+            lambda: restore_args(it),
+            fingerprint=fingerprint,
+        )
     if restored is not None:
         log.info("resumed from checkpoint %d", restored[0])
         return restored
-    checkpoint.save(mgr, 0, state, save_args(it))
-    mgr.wait_until_finished()
+    with wd.stage("checkpoint save", slow=True, step=0) if wd else contextlib.nullcontext():
+        checkpoint.save(mgr, 0, state, save_args(it))
+        mgr.wait_until_finished()
     return 0, state
 
 
@@ -321,8 +325,10 @@ def run(
     step, extra = start, {}
     ids_log = _example_ids_log(config, workdir)
     ready = -1  # the step before_step last ran for
-    # a main thread stuck while its JAX client keeps beating exits (watchdog.py)
-    wd = watchdog.from_config(tc, f"{config.task} training step")
+    # a main thread stuck while its JAX client keeps beating exits (watchdog.py): the
+    # process's, started by the CLI before the restore, else one of the loop's own
+    wd = watchdog.current() or watchdog.from_config(tc, f"{config.task} training step")
+    own_watchdog = wd is not watchdog.current()
     stop_every = int(tc.get("stop_check_every", 10))  # steps between the stop checks
 
     def prepare(step: int) -> None:
@@ -411,7 +417,10 @@ def run(
             writer.close()
             if ids_log is not None:
                 ids_log.close()
-        wd.close()
+        if own_watchdog:
+            wd.close()
+        else:  # the CLI's watches the command's work after the loop, then closes
+            wd.phase(f"after the {config.task} loop")
         stop.uninstall()
         if task.close is not None:
             task.close()
