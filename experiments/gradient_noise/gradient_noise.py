@@ -106,8 +106,8 @@ def main() -> int:
     from realm_jax.config import load_config, validate
     from realm_jax.data import datasets, pipeline
     from realm_jax.index.feed import IndexFeed
-    from realm_jax.model.inputs import joint_len
     from realm_jax.pretrain import step as realm_step
+    from realm_jax.pretrain.step_config import StepConfig
     from realm_jax.train.warm_start import params_hook
 
     config = load_config(args.config, overrides + ["refresh.mode=inprocess"])
@@ -126,15 +126,8 @@ def main() -> int:
     params = state.params
     feed = IndexFeed(config, args.workdir, mesh, model, tokens)
     feed.start(params, 0)
-    loss = functools.partial(
-        realm_step.realm_loss,
-        model=model,
-        mesh=mesh,
-        num_candidates=config.train.num_candidates,
-        num_valid=feed.num_blocks,
-        length=joint_len(config),
-        vocab_chunk=config.train.mlm_vocab_chunk,
-    )
+    cfg = StepConfig.from_config(config, feed.num_blocks).without_terms()
+    loss = functools.partial(realm_step.realm_loss, model=model, mesh=mesh, cfg=cfg)
     grad = jax.jit(jax.grad(lambda p, batch, e, t: loss(p, batch, e, t)[0]))
     groups = sorted(params)
     kept = {g: [] for g in groups}  # each micro-batch's gradient, float32, on the host

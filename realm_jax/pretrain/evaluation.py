@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from realm_jax import sharding
 from realm_jax.model.inputs import joint_len
 from realm_jax.ops.fused_softmax import fused_marginal_loss
-from realm_jax.pretrain import step as pretrain_step
+from realm_jax.pretrain import measures, retrieval, step_config
 
 SUMMED = ("loss", "accuracy", "null_only_accuracy", "retrieval_utility")  # per target
 PER_QUERY = ("retrieval_entropy", "null_doc_prob")
@@ -81,18 +81,13 @@ def eval_metrics(
     fixed_null: bool = False,
 ):
     """Metrics of one held-out batch (no dropout) + the retrieved ids [B, K-1]."""
-    _, relevance, cands, ids = pretrain_step.retrieve(
-        params,
-        batch,
-        index_emb,
-        index_tokens,
-        model=model,
-        mesh=mesh,
-        num_candidates=num_candidates,
-        num_valid=num_valid,
-        fixed_null=fixed_null,
+    cfg = step_config.StepConfig(
+        num_candidates, num_valid, length, vocab_chunk, fixed_null=fixed_null
     )
-    features, table, bias = pretrain_step.read_candidates(
+    _, relevance, cands, ids = retrieval.retrieve(
+        params, batch, index_emb, index_tokens, model=model, mesh=mesh, cfg=cfg
+    )
+    features, table, bias = retrieval.read_candidates(
         model, params, batch["query_ids"], cands, batch["mlm_positions"], length
     )  # features [B, K, P, H]
     targets, weights = batch["mlm_targets"], batch["mlm_weights"]
@@ -109,7 +104,7 @@ def eval_metrics(
     metrics["prior"] = jnp.exp(log_prior)
     metrics["posterior"] = jax.nn.softmax(log_post, -1)
     metrics["candidate_loglik"], metrics["candidate_right"] = loglik, right
-    metrics["block_holds"] = pretrain_step.block_holds_targets(cands, targets, weights)
+    metrics["block_holds"] = measures.block_holds_targets(cands, targets, weights)
     metrics["query_targets"] = weights.sum(-1)
     return metrics
 
@@ -139,7 +134,7 @@ def compile_eval(config, mesh, model, num_valid: int):
         num_valid=num_valid,
         length=joint_len(config),
         vocab_chunk=max(config.train.mlm_vocab_chunk, 0),
-        fixed_null=pretrain_step.fixed_null(config),
+        fixed_null=step_config.fixed_null(config),
     )
     rows = sharding.rows_sharding(mesh)
     return jax.jit(

@@ -1,6 +1,7 @@
 """The REALM train step on the test process's fake CPU devices (4: tests/conftest.py), against
 independent references."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -15,8 +16,9 @@ from realm_jax import sharding, tokenization
 from realm_jax.index import embedding
 from realm_jax.model import inputs
 from realm_jax.ops import fused_softmax
-from realm_jax.pretrain import losses
+from realm_jax.pretrain import losses, measures, retrieval, terms
 from realm_jax.pretrain import step as pretrain_step
+from realm_jax.pretrain.step_config import StepConfig
 from tests.conftest import REPO
 from tests.support.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
 
@@ -33,6 +35,11 @@ def setup():
     return config, mesh, model, optimizer, state, shardings, emb, tokens, index, batch
 
 
+def step_cfg(config, num_valid, **changes):
+    """The step's settings from the config and an index of num_valid blocks, with changes."""
+    return dataclasses.replace(StepConfig.from_config(config, num_valid), **changes)
+
+
 def test_mesh_errors_are_clear():
     n = jax.device_count()
     cfg = tiny_config("mesh.shape=(3, -1)")
@@ -47,7 +54,7 @@ def test_retrieval_matches_numpy_and_excludes_own_block(setup):
     config, mesh, model, _, state, _, emb, tokens, index, batch = setup
     fn = jax.jit(
         functools.partial(
-            pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+            retrieval.retrieve, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
         )
     )
     q_emb, relevance, cands, ids = fn(state.params, sharding.global_batch(batch, mesh), *index)
@@ -118,7 +125,7 @@ def test_null_document_input_and_score_match_the_release(setup):
     np.testing.assert_array_equal(mask, [1, 1, 1, 1, 1, 0, 0])
 
     fn = functools.partial(
-        pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        retrieval.retrieve, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
     )
     q_emb, relevance, _, _ = jax.jit(fn)(state.params, sharding.global_batch(batch, mesh), *index)
     lb = config.data.block_len
@@ -183,7 +190,7 @@ def test_retriever_learns_when_every_retrieved_score_is_negative(setup):
         ln["bias"] = sign * c
     gb = sharding.global_batch(batch, mesh)
     fn = functools.partial(
-        pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        retrieval.retrieve, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
     )
     _, relevance, _, _ = jax.jit(fn)(params, gb, *index)
     relevance = np.asarray(relevance)
@@ -370,8 +377,8 @@ def test_null_document_read_at_query_length_matches_full_length(setup):
     K, length = config.train.num_candidates, inputs.joint_len(config)
 
     def reference(params, batch, *index):
-        _, relevance, cands, _ = pretrain_step.retrieve(
-            params, batch, *index, model=model, mesh=mesh, num_candidates=K, num_valid=len(emb)
+        _, relevance, cands, _ = retrieval.retrieve(
+            params, batch, *index, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
         )
         B = cands.shape[0]
         # [CLS] [SEP] 0 ...: build_joint drops the [CLS] and appends the one [SEP].
@@ -425,14 +432,7 @@ def index_and_loss(config, mesh, model, **kw):
     e, t = embedding.pad_index(emb, tokens, mesh)
     index = (sharding.put_rows(e, mesh), sharding.put_rows(t, mesh))
     loss_fn = functools.partial(
-        pretrain_step.realm_loss,
-        model=model,
-        mesh=mesh,
-        num_candidates=config.train.num_candidates,
-        num_valid=len(emb),
-        length=inputs.joint_len(config),
-        vocab_chunk=config.train.mlm_vocab_chunk,
-        **kw,
+        pretrain_step.realm_loss, model=model, mesh=mesh, cfg=step_cfg(config, len(emb), **kw)
     )
     return emb, tokens, index, loss_fn
 
@@ -617,16 +617,11 @@ def test_held_out_evaluation_against_numpy(setup):
     Feed.emb, Feed.tokens = index
     params = jax.device_get(state.params)
     retrieve = functools.partial(
-        pretrain_step.retrieve_and_read,
-        model=model,
-        mesh=mesh,
-        num_candidates=config.train.num_candidates,
-        num_valid=len(emb),
-        length=inputs.joint_len(config),
+        retrieval.retrieve_and_read, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
     )
     # The targets do not change what is retrieved: give the even queries their first retrieved
     # block's wordpieces as targets, so that some blocks hold the masks (copy metrics below).
-    first = np.asarray(retrieve(params, batch, *index)[4])[:, 0]
+    first = np.asarray(retrieve(params, batch, *index).ids)[:, 0]
     batch = dict(batch, mlm_targets=batch["mlm_targets"].copy())
     for b in range(0, len(first), 2):
         n = int(batch["mlm_weights"][b].sum())
@@ -662,8 +657,9 @@ def test_held_out_evaluation_against_numpy(setup):
 
     # Prior and posterior mass on the article's blocks: numpy over the step's own relevance
     # and reader features (log p(y|x,z) by a full softmax over the vocabulary).
+    c = retrieve(params, batch, *index)
     rel, feats, table, bias, rids = (
-        np.asarray(x, np.float64) for x in retrieve(params, batch, *index)[:5]
+        np.asarray(x, np.float64) for x in (c.relevance, c.features, c.table, c.bias, c.ids)
     )
     logits = np.einsum("bkph,vh->bkpv", feats, table) + bias
     logits -= logits.max(-1, keepdims=True)
@@ -718,7 +714,7 @@ def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
     gb = sharding.global_batch(batch, mesh)
     fn = functools.partial(
-        pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        retrieval.retrieve, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
     )
     e0, t0 = embedding.pad_index(emb, tokens, mesh)
     q_emb = np.asarray(
@@ -740,10 +736,7 @@ def test_own_block_steps_let_the_own_block_be_retrieved_then_exclude_it(setup):
             model=model,
             optimizer=optimizer,
             mesh=mesh,
-            num_candidates=4,
-            num_valid=len(emb),
-            length=inputs.joint_len(config),
-            own_block_steps=2,
+            cfg=step_cfg(config, len(emb), own_block_steps=2),
         )
     )
 
@@ -776,7 +769,7 @@ def test_copying_curriculum_puts_the_documents_block_among_the_candidates(setup)
     )  # (setup's was donated)
     fn = jax.jit(
         functools.partial(
-            pretrain_step.retrieve, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+            retrieval.retrieve, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
         )
     )
     batch = dict(batch, block_id=np.full_like(batch["block_id"], -1))
@@ -785,8 +778,8 @@ def test_copying_curriculum_puts_the_documents_block_among_the_candidates(setup)
     plain = np.asarray(plain)
     # query 0: a block far down its ranking; query 1: its own first hit; the rest: none
     q = np.asarray(
-        pretrain_step.retrieve(
-            state.params, g, *index, model=model, mesh=mesh, num_candidates=4, num_valid=len(emb)
+        retrieval.retrieve(
+            state.params, g, *index, model=model, mesh=mesh, cfg=step_cfg(config, len(emb))
         )[0],
         np.float64,
     )
@@ -869,7 +862,7 @@ def test_curriculum_loss_reads_the_documents_block_alone_and_the_others_apart():
         p = jax.nn.softmax(r, -1)
         return jnp.sum(p * table), {"accuracy": p[:, 0].sum(), "x": jnp.zeros(())}
 
-    loss, m = pretrain_step.curriculum_loss(
+    loss, m = terms.curriculum_loss(
         marginal, jnp.asarray(rel), jnp.asarray(ids), jnp.asarray(inject)
     )
 
@@ -898,8 +891,8 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
-    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
-    fn = jax.jit(functools.partial(pretrain_step.retrieve, **kw))
+    kw = dict(model=model, mesh=mesh, cfg=step_cfg(config, len(emb)))
+    fn = jax.jit(functools.partial(retrieval.retrieve, **kw))
     g = sharding.global_batch(batch, mesh)
     q_emb, _, _, plain = fn(state.params, g, *index)
     plain, q = np.asarray(plain), np.asarray(q_emb, np.float64)
@@ -916,7 +909,7 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
         ids[:, 3:], np.stack([-np.ones(B), new, -np.ones(B), -np.ones(B)], 1)
     )
     np.testing.assert_array_equal(cands[:, 5], tokens[new])
-    assert (rel[:, [4, 6, 7]] == pretrain_step.ABSENT).all()
+    assert (rel[:, [4, 6, 7]] == retrieval.ABSENT).all()
     blocks = jnp.asarray(tokens[new])
     segs = inputs.block_segments(blocks)
     d = model.apply(
@@ -929,9 +922,7 @@ def test_bm25_candidates_join_the_dense_ones_deduplicated_and_scored(setup):
     want = (q * np.asarray(d, np.float64)).sum(1)
     np.testing.assert_allclose(rel[:, 5], want, rtol=1e-4, atol=1e-4)
 
-    loss = jax.jit(
-        functools.partial(pretrain_step.realm_loss, **kw, length=inputs.joint_len(config))
-    )
+    loss = jax.jit(functools.partial(pretrain_step.realm_loss, **kw))
     _, base = loss(state.params, g, *index)
     dup = sharding.global_batch(dict(batch, extra_ids=plain[:, ::-1].astype(np.int32)), mesh)
     _, same = loss(state.params, dup, *index)
@@ -977,9 +968,9 @@ def with_extras(setup):
     such block joining two rows (the trivial-retrieval exclusion and the deduplication)."""
     config, mesh, model, _, _, _, emb, _, index, batch = setup
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
-    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
+    kw = dict(model=model, mesh=mesh, cfg=step_cfg(config, len(emb)))
     own = batch["block_id"]
-    _, _, _, plain = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(
+    _, _, _, plain = jax.jit(functools.partial(retrieval.retrieve, **kw))(
         state.params, sharding.global_batch(batch, mesh), *index
     )
     pool = [i for i in range(len(emb)) if i not in np.asarray(plain) and i not in own]
@@ -1000,7 +991,7 @@ def embedded_apart(model, params, tokens, batch, index, kw):
         (all_tok != 0).astype(jnp.int32),
         method=RealmModel.embed_doc,
     )
-    q = jax.jit(functools.partial(pretrain_step.retrieve, **kw))(params, batch, *index)[0]
+    q = jax.jit(functools.partial(retrieval.retrieve, **kw))(params, batch, *index)[0]
     return np.asarray(d, np.float64), np.asarray(q, np.float64)
 
 
@@ -1016,10 +1007,10 @@ def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(set
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
     state, kw, own, extra = with_extras(setup)
-    length, B = inputs.joint_len(config), len(own)
+    B = len(own)
     g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
-    rel, feats, table, bias, ids, cands, _ = jax.jit(
-        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length)
+    _, _, rel, feats, table, bias, ids, cands = jax.jit(
+        functools.partial(retrieval.retrieve_and_read, **kw)
     )(state.params, g, *index)
     ids, r = np.asarray(ids), np.asarray(rel, np.float64)
     logits = np.asarray(tied_decoder_logits(feats, table, bias), np.float64)  # [B, K, P, V]
@@ -1044,7 +1035,8 @@ def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(set
             total -= np.log(lik)
             n += 1
     assert excluded_own > 0  # another row's candidates held a query's own block
-    loss = jax.jit(functools.partial(pretrain_step.realm_loss, **kw, length=length, inbatch=True))
+    kw["cfg"] = dataclasses.replace(kw["cfg"], inbatch_negatives=True)
+    loss = jax.jit(functools.partial(pretrain_step.realm_loss, **kw))
     got, m = loss(state.params, g, *index)
     np.testing.assert_allclose(float(got), total / n, rtol=1e-4)
     np.testing.assert_allclose(float(m["inbatch_outside_mass"]), np.mean(mass), rtol=1e-4)
@@ -1061,7 +1053,7 @@ def test_inbatch_negatives_in_the_compiled_step_one_pass_and_accumulated():
     one = tiny_config(*on)
     mesh = sharding.make_mesh(one.mesh)
     model, _, state, _ = pretrain_step.create_state(one, mesh, jax.random.key(0))
-    emb, _, index, loss = index_and_loss(one, mesh, model, inbatch=True)
+    emb, _, index, loss = index_and_loss(one, mesh, model)
     loss = jax.jit(loss)
     batch = synthetic_batch(one, seed=4)
     # the random-init retriever finds the same blocks for every query: each row gets a block
@@ -1102,16 +1094,17 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
     state, kw, own, extra = with_extras(setup)
-    length, B = inputs.joint_len(config), len(own)
+    B = len(own)
     extra[0, 0] = -1  # a sentence BM25 found nothing for: no term
     g = sharding.global_batch(dict(batch, extra_ids=extra), mesh)
-    read = jax.jit(
-        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length),
-        static_argnames="imitation",
+    c = jax.jit(functools.partial(retrieval.retrieve_and_read, **kw))(state.params, g, *index)
+    imitation = jax.jit(
+        functools.partial(terms.imitation_term, c.q_emb, c.hits, c.ids),
+        static_argnames="positives_only",
     )
-    out = read(state.params, g, *index, imitation="candidates")
-    ids, (got_loss, got_acc) = np.asarray(out[4]), out[6]["imitation"]
-    pos_loss, pos_acc = read(state.params, g, *index, imitation="positives")[6]["imitation"]
+    positive, own_ids = (jnp.asarray(x, c.ids.dtype) for x in (extra[:, 0], own))
+    ids, (got_loss, got_acc) = np.asarray(c.ids), imitation(positive, own_ids)
+    pos_loss, pos_acc = imitation(positive, own_ids, positives_only=True)
     d, q = embedded_apart(model, state.params, tokens, g, index, kw)
 
     def term(columns):
@@ -1142,11 +1135,11 @@ def test_imitation_weight_adds_its_gradient_and_its_control_stops_realms(setup):
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
     batch = dict(batch, extra_ids=np.arange(len(batch["block_id"]))[:, None].astype(np.int32))
     g = sharding.global_batch(batch, mesh)
-    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
-    length = inputs.joint_len(config)
+    kw = dict(model=model, mesh=mesh, cfg=step_cfg(config, len(emb)))
 
     def grads(**opts):
-        fn = functools.partial(pretrain_step.realm_loss, **kw, length=length, **opts)
+        cfg = dataclasses.replace(kw["cfg"], **opts)
+        fn = functools.partial(pretrain_step.realm_loss, **dict(kw, cfg=cfg))
         return jax.jit(jax.grad(lambda p: fn(p, g, *index), has_aux=True))(state.params)
 
     plain, m0 = grads()
@@ -1180,11 +1173,10 @@ def test_realm_signal_is_the_posterior_minus_prior_computed_by_hand(setup):
 
     config, mesh, model, _, _, _, emb, tokens, index, batch = setup
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
-    kw = dict(model=model, mesh=mesh, num_candidates=4, num_valid=len(emb))
-    length = inputs.joint_len(config)
+    kw = dict(model=model, mesh=mesh, cfg=step_cfg(config, len(emb)))
     g = sharding.global_batch(batch, mesh)
-    rel, feats, table, bias, ids, cands, _ = jax.jit(
-        functools.partial(pretrain_step.retrieve_and_read, **kw, length=length)
+    _, _, rel, feats, table, bias, ids, cands = jax.jit(
+        functools.partial(retrieval.retrieve_and_read, **kw)
     )(state.params, g, *index)
     logits = np.asarray(tied_decoder_logits(feats, table, bias), np.float64)  # [B, K, P, V]
     logits -= logits.max(-1, keepdims=True)
@@ -1200,14 +1192,14 @@ def test_realm_signal_is_the_posterior_minus_prior_computed_by_hand(setup):
 
     def loss(offset):
         b = dict(g, relevance_offset=offset)
-        return pretrain_step.realm_loss(state.params, b, *index, **kw, length=length)
+        return pretrain_step.realm_loss(state.params, b, *index, **kw)
 
     (_, metrics), d_rel = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.zeros(r.shape))
     got = -np.asarray(d_rel, np.float64) * max(w.sum(), 1) / np.maximum(w.sum(-1), 1)[:, None]
     np.testing.assert_allclose(got, want, atol=2e-5)
     holds = np.asarray(metrics["candidate_holds"])
     doc = np.asarray(ids)[:, 0].astype(np.int32)  # each query's first hit as "its document"
-    sig = pretrain_step.realm_signal(d_rel, dict(metrics), jnp.asarray(w), jnp.asarray(doc))
+    sig = measures.realm_signal(d_rel, dict(metrics), jnp.asarray(w), jnp.asarray(doc))
     has = holds.any(1) & (w.sum(-1) > 0)
     if has.any():
         span = (want[:, 1:] * holds).sum(1)[has].mean()

@@ -61,13 +61,13 @@ CUT = "control: the retrieval scores cut from the gradient"
 STOP_GRADIENT = f"""
 import sys, jax
 from realm_jax import cli
-from realm_jax.pretrain import step
-retrieve = step.retrieve_embedded
+from realm_jax.pretrain import retrieval
+retrieve = retrieval.retrieve_embedded
 def cut(*a, **k):
     q, hits, rel, cands, ids = retrieve(*a, **k)
     print({CUT!r}, flush=True)
     return q, hits, jax.lax.stop_gradient(rel), cands, ids
-step.retrieve_embedded = cut
+retrieval.retrieve_embedded = cut
 sys.exit(cli.main(sys.argv[1:]))
 """
 
