@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
 .PHONY: venv test check test-system test-experiments test-slow smoke smoke-qa lint format bench clean \
-	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial
+	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial device-check
 
 # The packages' bytecode is compiled at install, on every core: where PYTHONDONTWRITEBYTECODE is
 # set (it is on our machines and, by its timings, on CI's), Python never writes it, and each
@@ -140,6 +140,13 @@ $(PEER_STAMP):
 
 peer-bench: $(STAMP) $(PEER_STAMP)
 	$(PY) benchmarks/peer_hf_realm.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
+
+# The device check (docs/device_check.md) on a GPU host or TPU VM, within 10 minutes: the
+# accelerator extra if JAX sees none, the smoke, the world tutorial's REALM stage, the base
+# step's bf16 MFU and the peer benchmark, into runs/device-check/ (results.json, summary.md).
+# Works offline. DEVICE_ARGS="--quick" for a few minutes' CPU check of the script itself.
+device-check: $(STAMP)
+	$(PY) benchmarks/device_check.py --install $(DEVICE_ARGS)
 
 clean:
 	rm -rf $(SMOKE_DIR) .pytest_cache
