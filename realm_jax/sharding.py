@@ -21,6 +21,7 @@ LOGICAL_RULES = (
     ("act_batch", "data"),
     ("vocab", "model"),
     ("mlp", "model"),
+    ("span_pair", None),  # the span head's start|end projection: whole (model/realm.py)
     ("heads", "model"),
     ("embed", None),
     ("embed_out", None),

@@ -10,7 +10,7 @@ import numpy as np
 from flax import linen as nn
 
 from realm_jax.model.bert import BertEncoder, ModelConfig, ModelConfigError
-from realm_jax.model.layers import Dropout, _zeros, activation, dense, layer_norm
+from realm_jax.model.layers import Dropout, _init, _zeros, activation, dense, layer_norm
 
 Array = jax.Array
 
@@ -68,6 +68,40 @@ def span_candidates(length: int, max_width: int) -> tuple[np.ndarray, np.ndarray
     return starts.astype(np.int32), ends.astype(np.int32)
 
 
+def _columns_over_model(w: Array) -> Array:
+    """A weight [..., S] split by its last axis over 'model' in the ambient mesh
+    (sharding.traced_in_mesh); unchanged outside one or where 'model' does not divide S."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "model" not in mesh.axis_names or w.shape[-1] % mesh.shape["model"]:
+        return w
+    spec = jax.sharding.PartitionSpec(*([None] * (w.ndim - 1)), "model")
+    return jax.lax.with_sharding_constraint(w, spec)
+
+
+class StartEnd(nn.Module):
+    """ORQA's start and end projections, one [H, 2S] kernel (the release's dense layer, start
+    columns then end columns; its parameter tree is nn.Dense's), applied as two [H, S] halves:
+    h @ kernel then a split would put the halves on different model shards, which met only
+    through all-to-alls (issue 58's QA audit). Each half is split over 'model' as a weight
+    (a slice of the replicated kernel, "span_pair" never split), so each shard computes its
+    S/model columns of both and only the small kernel's gradient is gathered."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: Array) -> tuple[Array, Array]:
+        c, S = self.cfg, self.cfg.span_hidden_size
+        kernel = self.param("kernel", _init(("embed", "span_pair")), (h.shape[-1], 2 * S))
+        bias = self.param("bias", _zeros(("span_pair",)), (2 * S,))
+        h = h.astype(c.compute_dtype)
+        out = []
+        for half in (slice(0, S), slice(S, 2 * S)):
+            w = _columns_over_model(kernel[:, half].astype(c.compute_dtype))
+            b = _columns_over_model(bias[half].astype(c.compute_dtype))
+            out.append(jnp.einsum("nlh,hs->nls", h, w) + b)
+        return out[0], out[1]
+
+
 class SpanHead(nn.Module):
     """ORQA span scorer: start/end projections summed per span, ReLU, LayerNorm, scalar."""
 
@@ -77,8 +111,7 @@ class SpanHead(nn.Module):
     def __call__(self, h: Array, block_mask: Array) -> tuple[Array, np.ndarray, np.ndarray]:
         """h [N, L, H], block_mask [N, L] -> (logits [N, S], starts [S], ends [S])."""
         c = self.cfg
-        proj = dense(2 * c.span_hidden_size, ("embed", "mlp"), c, "dense_intermediate")(h)
-        start_p, end_p = jnp.split(proj, 2, axis=-1)
+        start_p, end_p = StartEnd(c, name="dense_intermediate")(h)  # [N, L, S] each
         starts, ends = span_candidates(h.shape[1], c.max_span_width)
         x = jax.nn.relu(start_p[:, starts] + end_p[:, ends])
         x = layer_norm(c, "layer_normalization", eps=c.reader_layer_norm_eps, axis_name="mlp")(x)
