@@ -15,7 +15,10 @@ QA fine-tuning step and its index embedding) and per device it prints the parame
 optimizer state, the block-embedding and token-table shards, the batch shard, and XLA's
 temporaries, against the chip's HBM, and exits non-zero (PlanError, one line) when a program
 does not fit, when the mesh does not divide the batch, or when the mesh has an axis no rule
-uses. `--json FILE` writes the same figures.
+uses. With the memory: each program's collectives against the design's bound (comm_audit),
+and its roofline step time, the largest of FLOPs / bf16 peak, HBM bytes / HBM bandwidth and
+collective bytes / ICI bandwidth per device, naming the bound it hits (program_roofline).
+`--json FILE` writes the same figures.
 """
 
 from __future__ import annotations
@@ -47,9 +50,7 @@ class Family:
     hbm_gib: float  # HBM per JAX device
     chip_config: str = "default"  # libtpu's chip_config_name
     hbm_gbps: float | None = None  # HBM bandwidth per chip, GB/s (None: not published)
-    ici_gbps: float | None = (
-        None  # bidirectional ICI bandwidth per chip, GB/s (None: not published)
-    )
+    ici_gbps: float | None = None  # bidirectional ICI per chip, GB/s (None: not published)
 
 
 # Public Cloud TPU figures: v2 8 GiB and v3 16 GiB per TensorCore (each a device); v4 32 GiB,
@@ -518,40 +519,132 @@ def _operands(rest: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
-def _computation_cost(lines, fused: bool) -> tuple[float, float]:
-    """(dot FLOPs, operand + result bytes outside fusions) of one computation's instructions."""
+def _taps(size_in: int, kernel: int, out: int, w: dict, d: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dimension that read real input
+    (not padding, not a hole of lhs dilation)."""
+    stride, ld, rd = (
+        int(w.get(k, ["1"] * (d + 1))[d]) for k in ("stride", "lhs_dilate", "rhs_dilate")
+    )
+    lo = int(w["pad"][d].split("_")[0]) if "pad" in w else 0
+    span = (size_in - 1) * ld
+    return sum(
+        1
+        for k in range(kernel)
+        for j in range(out)
+        if 0 <= (p := j * stride + k * rd - lo) <= span and p % ld == 0
+    )
+
+
+def _matmul_flops(opcode: str, rest: str, out, operands) -> float:
+    """2 x multiply-adds: a dot's output elements x its contracting size; a convolution's
+    (XLA:TPU's matmuls: heads and chunks as spatial dimensions, windows with padding and
+    dilation) batch x output features x input features a group x the taps that read input."""
+    lhs, rhs = operands[0], operands[1]
+    if not out or not lhs or not rhs:
+        return 0.0
+    out, lhs, rhs = out[0][1], lhs[0][1], rhs[0][1]
+    if opcode == "dot":
+        dims = _CONTRACTING.search(rest)
+        k = math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d) if dims else 1
+        return 2.0 * math.prod(out) * k
+    labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", rest)
+    if not labels:
+        return 0.0
+    li, ki, oi = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", rest)
+    w = dict(x.split("=") for x in window.group(1).split()) if window else {}
+    w = {k: v.split("x") for k, v in w.items()}
+    taps = 1
+    for d in range(sum(c.isdigit() for c in li)):
+        c = str(d)
+        taps *= _taps(lhs[li.index(c)], rhs[ki.index(c)], out[oi.index(c)], w, d)
+    return 2.0 * out[oi.index("b")] * out[oi.index("f")] * rhs[ki.index("i")] * taps
+
+
+def _computation_cost(lines, fused: bool, trips: int = 0) -> tuple[float, float]:
+    """(matmul FLOPs, operand + result bytes outside fusions) of one computation's
+    instructions; in a loop body of `trips` trips an array stacked over them (a scan's xs
+    and ys: leading dimension = trips) counts one slice, the part a trip reads or writes."""
     from realm_jax import hlo_audit
+
+    def nbytes(arrays):
+        return sum(
+            hlo_audit._nbytes([a]) // (trips if trips > 1 and a[1][:1] == (trips,) else 1)
+            for a in arrays
+        )
 
     parsed = [m.groups() for m in map(hlo_audit._INSTR.match, lines) if m]
     shapes = {name: hlo_audit._arrays(shape) for name, shape, _, _ in parsed}
     flops = traffic = 0.0
     for name, _, opcode, rest in parsed:
         ops = _operands(rest)
-        if opcode == "dot" and ops and shapes.get(ops[0]):
-            dims = _CONTRACTING.search(rest)
-            lhs = shapes[ops[0]][0][1]
-            k = math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d) if dims else 1
-            flops += 2.0 * sum(math.prod(d) for _, d in shapes[name]) * k
+        if opcode in ("dot", "convolution") and len(ops) > 1:
+            flops += _matmul_flops(opcode, rest, shapes[name], [shapes.get(o) for o in ops])
         if not fused and opcode not in _NO_TRAFFIC:
             arrays = shapes[name] + [a for o in ops for a in shapes.get(o, [])]
-            traffic += hlo_audit._nbytes(arrays)
+            traffic += nbytes(arrays)
     return flops, traffic
+
+
+_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_LOOP_TEST = re.compile(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=(LT|LE)")
+_CONST = re.compile(r"%([\w.\-]+) = [su]\d+\[\][^=]*constant\((\d+)\)")
+
+
+def _trip_counts(hlo_text: str, comps) -> dict:
+    """{body: trips} of every loop: XLA's known_trip_count where it wrote one, else (XLA:TPU
+    writes none) from a condition `counter < N` (or <= N) on the tuple's element 0 against
+    a constant N, the counter from 0 as jax's scan and fori_loop start it."""
+    from realm_jax import hlo_audit
+
+    out = {}
+    for line in hlo_text.splitlines():
+        loop = _WHILE.search(line)
+        if not loop or " while(" not in line:
+            continue
+        cond, body = loop.groups()
+        if known := hlo_audit._TRIP.search(line):
+            out[body] = int(known.group(1))
+            continue
+        lines = comps.get(cond, [])
+        consts = dict(_CONST.findall("\n".join(lines)))
+        test = next((m for m in map(_LOOP_TEST.search, lines) if m), None)
+        counter = "".join(x for x in lines if test and f"%{test.group(1)} =" in x)
+        if test and test.group(2) in consts and "index=0" in counter:
+            out[body] = int(consts[test.group(2)]) + (test.group(3) == "LE")
+    return out
+
+
+def loop_multipliers(hlo_text: str):
+    """(computations, name -> (runs per step, in a loop, trips known), {body: trips}):
+    hlo_audit's multipliers, with the trips XLA did not annotate inferred (_trip_counts)."""
+    from realm_jax import hlo_audit
+
+    comps, entry, callees = hlo_audit._parse(hlo_text)
+    trips = _trip_counts(hlo_text, comps)
+    conds = {c: b for c, b in _WHILE.findall(hlo_text)}
+    fixed = {}
+    for name, calls in callees.items():
+        fixed[name] = []
+        for c, f, loop, unknown in calls:
+            n = trips.get(c, trips.get(conds.get(c)))
+            if unknown and n is not None:  # a condition runs once more than its body
+                f, unknown = n + (c in conds), False
+            fixed[name].append((c, f, loop, unknown))
+    return comps, (hlo_audit._multipliers(entry, fixed) if entry else {}), trips
 
 
 def loop_cost(hlo_text: str) -> tuple[float, float]:
     """(FLOPs, bytes) XLA's cost analysis leaves out: it counts a while loop's body once, so
     each computation that runs n > 1 times a step adds (n - 1) x its dots' FLOPs and its
-    (unfused) instructions' operand and result bytes (loop trip counts from hlo_audit)."""
-    from realm_jax import hlo_audit
-
-    comps, entry, callees = hlo_audit._parse(hlo_text)
-    mult = hlo_audit._multipliers(entry, callees) if entry else {}
+    (unfused) instructions' operand and result bytes (loop_multipliers)."""
+    comps, mult, trips = loop_multipliers(hlo_text)
     fused = set(re.findall(r"\sfusion\(.*?calls=%?([\w.\-]+)", hlo_text))
     flops = traffic = 0.0
     for comp, lines in comps.items():
         n = mult.get(comp, (1,))[0]
         if n > 1:
-            f, b = _computation_cost(lines, comp in fused)
+            f, b = _computation_cost(lines, comp in fused, trips.get(comp, 0))
             flops, traffic = flops + (n - 1) * f, traffic + (n - 1) * b
     return flops, traffic
 
@@ -596,14 +689,21 @@ def roofline(flops: float, hbm_bytes: float, comm_bytes: float, rates: dict) -> 
     }
 
 
-def program_roofline(compiled, comm_bytes: float, rates: dict) -> dict:
-    """The roofline of a compiled program from XLA's cost analysis (per device: the
-    partitioned program's), with the loop trips it counts once added (loop_cost)."""
-    cost = compiled.cost_analysis()
+def program_roofline(cost, hlo_text: str, rates: dict) -> dict:
+    """The roofline of a compiled program (per device: the partitioned program's) from
+    XLA's cost analysis (`compiled.cost_analysis()`, a dict or a list of one) with the loop
+    trips it counts once added (loop_cost), and its collectives' bytes (hlo_audit's, each
+    instance times its loop trips, loop_multipliers)."""
+    from realm_jax import hlo_audit
+
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-    extra_flops, extra_bytes = loop_cost(compiled.as_text())
+    extra_flops, extra_bytes = loop_cost(hlo_text)
+    _, mult, _ = loop_multipliers(hlo_text)
+    comm = sum(
+        c.bytes * mult.get(c.computation, (c.count,))[0] for c in hlo_audit.collectives(hlo_text)
+    )
     xla = {"flops": float(cost.get("flops", 0)), "bytes": float(cost.get("bytes accessed", 0))}
-    out = roofline(xla["flops"] + extra_flops, xla["bytes"] + extra_bytes, comm_bytes, rates)
+    out = roofline(xla["flops"] + extra_flops, xla["bytes"] + extra_bytes, comm, rates)
     out["xla_cost_analysis"] = xla  # as XLA counts it: each loop body once
     return out
 
@@ -659,8 +759,7 @@ def analyse(program: Program, hbm_bytes: int | None, config=None, mesh=None, rat
     if config is not None and mesh is not None:
         out["communication"] = comm_audit(compiled, program, config, mesh)
     if rates is not None:
-        comm = out.get("communication", {}).get("total_bytes", 0)
-        out["roofline"] = program_roofline(compiled, comm, rates)
+        out["roofline"] = program_roofline(compiled.cost_analysis(), compiled.as_text(), rates)
     return out
 
 
