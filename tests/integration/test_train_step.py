@@ -1135,7 +1135,7 @@ def test_imitation_weight_adds_its_gradient_and_its_control_stops_realms(setup):
     _, _, state, _ = pretrain_step.create_state(config, mesh, jax.random.key(0))
     batch = dict(batch, extra_ids=np.arange(len(batch["block_id"]))[:, None].astype(np.int32))
     g = sharding.global_batch(batch, mesh)
-    kw = dict(model=model, mesh=mesh, cfg=step_cfg(config, len(emb)))
+    kw = dict(model=model, mesh=mesh, cfg=step_cfg(config, len(emb), vocab_chunk=0))
 
     def grads(**opts):
         cfg = dataclasses.replace(kw["cfg"], **opts)
