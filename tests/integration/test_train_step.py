@@ -1148,7 +1148,9 @@ def test_imitation_weight_adds_its_gradient_and_its_control_stops_realms(setup):
     assert float(m1["imitation_loss"]) > 0 and float(m0["loss"]) == float(m1["loss"])
     for net in ("query_embedder", "doc_embedder"):
         for a, b, c in zip(*(jax.tree.leaves(x[net]) for x in (both, plain, alone)), strict=True):
-            np.testing.assert_allclose(np.asarray(a) - np.asarray(b), c, atol=2e-5)
+            # float32 sums in another order in each compiled program: one element of 128
+            # differed by 2.2e-5 once the MLM loss's rows became batch-major
+            np.testing.assert_allclose(np.asarray(a) - np.asarray(b), c, atol=4e-5)
         assert optax_norm(alone[net]) > 0
     for a, b, c in zip(*(jax.tree.leaves(x["reader"]) for x in (plain, both, alone)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
