@@ -242,3 +242,54 @@ def test_chip_rates_per_device_from_the_published_figures():
     v5p = plan.chip_rates(plan.parse_target("v5p-128"), None)
     assert v5p == {"peak_flops": 459e12, "hbm_bw": 2765e9, "ici_bw": 1200e9}
     assert plan.chip_rates(plan.parse_target("v5e-256"), None)["ici_bw"] == 400e9
+
+
+# An XLA:TPU-style loop: no known_trip_count, a matmul as a convolution over heads (a
+# spatial dimension padded 11 each side: each output reads one of the kernel's 12 taps).
+_TPU_LOOP = """HloModule m
+
+%fused_computation (param_0: bf16[4,288,768,1], param_1: bf16[768,12,64,1]) -> bf16[4,288,12,64] {
+  %param_0 = bf16[4,288,768,1]{3,2,1,0} parameter(0)
+  %param_1 = bf16[768,12,64,1]{3,2,1,0} parameter(1)
+  ROOT %convolution.1 = bf16[4,288,12,64]{3,2,1,0} convolution(%param_0, %param_1), window={size=1x12 pad=0_0x11_11 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f
+}
+
+%body (p: (s32[], bf16[4,288,768,1], bf16[768,12,64,1])) -> (s32[], bf16[4,288,768,1], bf16[768,12,64,1]) {
+  %p = (s32[], bf16[4,288,768,1]{3,2,1,0}, bf16[768,12,64,1]{3,2,1,0}) parameter(0)
+  %i = s32[]{:T(256)} get-tuple-element(%p), index=0
+  %x = bf16[4,288,768,1]{3,2,1,0} get-tuple-element(%p), index=1
+  %w = bf16[768,12,64,1]{3,2,1,0} get-tuple-element(%p), index=2
+  %fusion = bf16[4,288,12,64]{3,2,1,0} fusion(%x, %w), kind=kOutput, calls=%fused_computation
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[4,288,768,1]{3,2,1,0}, bf16[768,12,64,1]{3,2,1,0}) tuple(%next, %x, %w)
+}
+
+%cond (p: (s32[], bf16[4,288,768,1], bf16[768,12,64,1])) -> pred[] {
+  %p = (s32[], bf16[4,288,768,1]{3,2,1,0}, bf16[768,12,64,1]{3,2,1,0}) parameter(0)
+  %n = s32[]{:T(256)} constant(12)
+  %i = s32[]{:T(256)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: bf16[4,288,768,1], w: bf16[768,12,64,1]) -> s32[] {
+  %x = bf16[4,288,768,1]{3,2,1,0} parameter(0)
+  %w = bf16[768,12,64,1]{3,2,1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,288,768,1]{3,2,1,0}, bf16[768,12,64,1]{3,2,1,0}) tuple(%zero, %x, %w)
+  %while = (s32[], bf16[4,288,768,1]{3,2,1,0}, bf16[768,12,64,1]{3,2,1,0}) while(%init), condition=%cond, body=%body
+  ROOT %r = s32[] get-tuple-element(%while), index=0
+}
+"""  # noqa: E501 (XLA's lines)
+
+
+def test_loop_cost_on_xla_tpu_text():
+    """XLA:TPU writes no known_trip_count: the trips come from the condition (i < 12); its
+    matmuls are convolutions, FLOPs counted from the taps that read input; XLA's count has
+    the body once, so loop_cost adds 11 trips of it."""
+    _, mult, trips = plan.loop_multipliers(_TPU_LOOP)
+    assert trips == {"body": 12} and mult["body"][0] == 12 and mult["fused_computation"][0] == 12
+    flops, traffic = plan.loop_cost(_TPU_LOOP)
+    assert flops == 11 * 2 * (4 * 288 * 12 * 64) * 768  # the Q projection, 11 more times
+    fusion = 2 * (4 * 288 * 12 * 64 + 4 * 288 * 768 + 768 * 12 * 64)  # result + operands
+    assert traffic == pytest.approx(11 * fusion, abs=256)  # + the counter's scalars
