@@ -275,6 +275,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.refresh.check_every = 10 if variant == "base" else 1  # external: steps between looks for
     # a newly published index (on a pod each look is one broadcast from process 0)
     c.refresh.keep = 3  # index versions kept by the refresher
+    # external: the trainer writes the document embedder alone (WORKDIR/embedder, ~1/9 of a
+    # checkpoint) this often; the refresh job embeds with the newest export or checkpoint
+    c.refresh.export_every = 0  # steps between exports; 0 = refresh.every; negative = none
     c.refresh.max_staleness = 4 * (20 if variant == "smoke" else 500)  # warn above this many steps
     # `local` restarts its refresh job when it exits or stays stopped (SIGSTOP) this long
     c.refresh.max_restarts = 3  # restarts of local's refresh job before the run stops

@@ -402,3 +402,82 @@ def save_params(mgr, step: int, params, metrics: dict) -> bool:
     """Save params with their metrics into a best_manager (kept only while the best)."""
     args = ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}))
     return mgr.save(step, args=args, metrics=metrics, force=True)
+
+
+# ------------------------------------------------------------ document-embedder exports
+# The refresh job needs only the document embedder: a full checkpoint (3 BERTs + Adam's two
+# moments, ~9x the embedder) every refresh would cost the trainer a full save each time. The
+# trainer exports params[doc_embedder_name] alone to <workdir>/embedder/<step> instead.
+
+# Exports kept: what guarantees a read without leases or copies. orbax picks the steps to
+# delete when a save starts (after waiting for the previous save) and deletes them once that
+# save is complete, so export s goes when export s + 3 * every is complete. When a refresh job
+# finds s the newest complete export, s + every is not complete, so the trainer has not passed
+# step s + 2 * every: the job has at least `every` training steps plus one export's write to
+# restore s (the embedder alone: about a second at base). With 2 kept it would have only the
+# writes. One deleted mid-read anyway is passed over for the newest, not taken for damage.
+EXPORTS_KEPT = 3
+
+
+def export_every(config) -> int:
+    """Steps between the trainer's document-embedder exports; 0 when it writes none (a mode
+    without a refresh job, or refresh.export_every negative). refresh.export_every 0 means
+    refresh.every."""
+    r = config.refresh
+    every = int(r.get("export_every", 0))
+    if r.mode != "external" or every < 0:
+        return 0
+    return every or int(r.every)
+
+
+def export_manager(workdir: str, *, read_only: bool = False):
+    """A CheckpointManager over <workdir>/embedder whose item 'state' holds {"params": {name:
+    ...}} alone, so restore_params_subtree reads an export as it reads a checkpoint. Saves
+    are async: the step waits only for the device-to-host copy. EXPORTS_KEPT kept (above)."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=EXPORTS_KEPT,
+        create=not read_only,
+        enable_async_checkpointing=not read_only,
+        read_only=read_only,
+    )
+    return ocp.CheckpointManager(
+        paths.embedder_export_dir(workdir), item_names=("state",), options=options
+    )
+
+
+class EmbedderExport:
+    """The trainer's exports of params[name] every `every` steps. Every process calls
+    maybe_save at the same steps and writes the shards it holds (orbax: a collective)."""
+
+    def __init__(self, workdir: str, name: str, every: int, start: int):
+        self.name, self.every = name, every
+        self.mgr = export_manager(workdir)
+        self.last_seconds = 0.0  # how long the last save held the step (device-to-host copy)
+        for step in [s for s in self.mgr.all_steps() if s > start]:
+            # written before a crash, past the checkpoint this run resumed from: the steps
+            # will be trained (and exported) again
+            log.warning("embedder export %d is newer than resume point %d: deleted", step, start)
+            self.mgr.delete(step)
+
+    def maybe_save(self, step: int, params) -> bool:
+        """Start an async save of params[name] at `step` when it is a multiple of `every`."""
+        if step % self.every:
+            return False
+        tree = {"params": {self.name: params[self.name]}}
+        t0 = time.time()
+        saved = self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)))
+        self.last_seconds = time.time() - t0
+        if saved:
+            size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+            log.info(
+                "embedder export %d: %.1f MB save started (the step waited %.3fs)",
+                step,
+                size / 1e6,
+                self.last_seconds,
+            )
+        return saved
+
+    def close(self) -> None:
+        """Wait for the last export to be complete."""
+        self.mgr.wait_until_finished()
+        self.mgr.close()

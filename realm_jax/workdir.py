@@ -21,6 +21,12 @@ def checkpoint_dir(workdir: str) -> str:
     return fs.join(root(workdir), "checkpoints")
 
 
+def embedder_export_dir(workdir: str) -> str:
+    """The trainer's small exports of the document embedder alone (<step>/, orbax), written
+    every refresh.export_every steps for the refresh job (checkpoint.export_manager)."""
+    return fs.join(root(workdir), "embedder")
+
+
 def damaged_checkpoint_dir(workdir: str) -> str:
     """Checkpoints that failed to restore, moved out of rotation (<step>-<UTC time>/), never
     deleted: kept for inspection."""

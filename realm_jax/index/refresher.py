@@ -1,6 +1,8 @@
-"""The refresh job: watches the trainer's checkpoints, restores only the document embedder,
-embeds every block on its devices, and publishes an index version (embeddings + a ScaNN
-searcher) atomically (index/store.py), keeping the last few (index/retention.py)."""
+"""The refresh job: watches the trainer's document-embedder exports (<workdir>/embedder,
+checkpoint.EmbedderExport) and its full checkpoints, restores only the document embedder from
+the newest, embeds every block on its devices, and publishes an index version (embeddings + a
+ScaNN searcher) atomically (index/store.py), keeping the last few (index/retention.py). The
+version's step is the step of the export or checkpoint it came from."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
@@ -40,7 +43,7 @@ def build_searcher(config, embeddings: np.ndarray):
 
 
 class Refresher:
-    """The refresh job: checkpoints in, published index versions out."""
+    """The refresh job: exports or checkpoints in, published index versions out."""
 
     def __init__(self, config, workdir: str, tokens, mesh=None):
         """`tokens`: the host token table [N, Lb], or datasets.sharded_block_tokens(data_dir,
@@ -66,7 +69,7 @@ class Refresher:
             )
         self.dir = paths.index_dir(workdir)
         fs.makedirs(self.dir)
-        self._damaged: dict[int, tuple[int, int]] = {}  # step -> its folder when it failed
+        self._damaged: dict[tuple[str, int], tuple] = {}  # (kind, step) -> folder that failed
 
     def _progress(self, step: int, phase: str, since: float, done: int = 0) -> None:
         if jax.process_index() == 0:
@@ -85,32 +88,41 @@ class Refresher:
         t0 = time.time()
         self._progress(step, "restore", t0)
         params = checkpoint.restore_params_subtree(mgr, step, self.name, self.abstract)
-        return self._publish(step, params, t0)
+        return self._publish(step, params, t0, _step_dir(mgr, step), "checkpoint")
 
-    def refresh_newest(self, mgr, last: int) -> int | None:
-        """Publish the newest checkpoint newer than `last` whose document embedder restores:
-        a damaged one is reported in one line, remembered (not retried, until the trainer
-        replaces it) and passed over for the one before. The trainer owns the checkpoint
-        folder: nothing is moved. Returns the step embedded, None when none was."""
-        steps = [s for s in sorted(mgr.all_steps(), reverse=True) if s > last]
-        for i, step in enumerate(steps):
-            folder = _folder_id(mgr, step)
-            if folder is None or self._damaged.get(step) == folder:
-                continue  # gone since the listing, or known damaged
+    def refresh_newest(self, mgr, last: int, exports=None) -> int | None:
+        """Publish the newest export or checkpoint newer than `last` whose document embedder
+        restores (an export first at equal steps: it is the smaller read). A damaged one is
+        reported in one line, remembered (not retried, until the trainer replaces it) and
+        passed over for the one before; an export that the trainer's retention deleted while
+        it was read is passed over without that. The trainer owns both folders: nothing is
+        moved. Returns the step embedded, None when none was."""
+        sources = {"export": exports, "checkpoint": mgr}
+        found = _candidates(last, sources)
+        for i, (step, kind) in enumerate(found):
+            source = sources[kind]
+            folder = _folder_id(source, step)
+            if not checkpoint.everywhere(
+                folder is not None and self._damaged.get((kind, step)) != folder
+            ):
+                continue  # gone since the listing, or known damaged (on any process)
             t0 = time.time()
             self._progress(step, "restore", t0)
             params, reason = checkpoint.try_restore(
-                checkpoint.restore_params_subtree, mgr, step, self.name, self.abstract
+                checkpoint.restore_params_subtree, source, step, self.name, self.abstract
             )
             if reason is None:
-                self._publish(step, params, t0)
+                self._publish(step, params, t0, _step_dir(source, step), kind)
                 return step
-            self._damaged[step] = folder
-            then = f"trying checkpoint {steps[i + 1]}" if i + 1 < len(steps) else "skipping it"
-            log.error("refresh: checkpoint %d cannot be restored (%s); %s", step, reason, then)
+            then = "trying {1} {0}".format(*found[i + 1]) if i + 1 < len(found) else "skipping it"
+            if kind == "export" and _folder_id(source, step) is None:
+                log.info("refresh: export %d was deleted while read (retention); %s", step, then)
+                continue
+            self._damaged[(kind, step)] = folder
+            log.error("refresh: %s %d cannot be restored (%s); %s", kind, step, reason, then)
         return None
 
-    def _publish(self, step: int, params, t0: float) -> str:
+    def _publish(self, step: int, params, t0: float, source: str, kind: str) -> str:
         """Embed and publish by row ranges: each process writes the rows its devices hold
         (store.publish_rows), so the matrix is never gathered on a device or a host; process
         0 alone reads it back when a ScaNN searcher is built. Returns the path on process 0."""
@@ -121,10 +133,11 @@ class Refresher:
         bad = store.non_finite_rows(parts, self.num_blocks)
         if bad:
             log.error(
-                "refresh: checkpoint %d (%s) gives non-finite embeddings for %d of %d blocks: "
+                "refresh: %s %d (%s) gives non-finite embeddings for %d of %d blocks: "
                 "not published; the trainer keeps its current index",
+                kind,
                 step,
-                fs.join(paths.checkpoint_dir(self.workdir), str(step)),
+                source,
                 bad,
                 self.num_blocks,
             )
@@ -142,7 +155,8 @@ class Refresher:
             int(emb.shape[1]),
             searcher_fn=searcher_fn,
             extra={
-                "source_checkpoint": fs.join(paths.checkpoint_dir(self.workdir), str(step)),
+                "source_checkpoint": source,  # the export's or the checkpoint's folder
+                "source_kind": kind,  # "export" or "checkpoint"
                 "embed_seconds": t_embed,
                 "restore_seconds": t_restore,
             },
@@ -152,9 +166,10 @@ class Refresher:
             return ""
         _cleanup(self.dir, self.config.refresh.keep)
         log.info(
-            "refresh: published index %d (%d blocks, restore %.2fs, embed %.2fs = %.0f "
-            "blocks/s, publish %.2fs, total %.2fs)",
+            "refresh: published index %d from its %s (%d blocks, restore %.2fs, embed %.2fs "
+            "= %.0f blocks/s, publish %.2fs, total %.2fs)",
             step,
+            kind,
             self.num_blocks,
             t_restore,
             t_embed,
@@ -185,7 +200,8 @@ class Refresher:
     def run(
         self, stop: threading.Event | None = None, max_versions: int | None = None, wd=None
     ) -> int:
-        """Watch checkpoints until `stop` is set (or max_versions published); returns count.
+        """Watch exports and checkpoints until `stop` is set (or max_versions published);
+        returns the count.
         wd: the refresh job's progress watchdog (watchdog.py), beaten every poll; a
         refresh (embedding the corpus) is a slow stage, bounded by train.first_step_timeout_s."""
         stop = stop or threading.Event()
@@ -194,19 +210,23 @@ class Refresher:
             return wd.stage(name, slow=slow) if wd is not None else contextlib.nullcontext()
 
         mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
+        # a workdir without exports (an older run, or refresh.export_every < 0): checkpoints
+        exports = checkpoint.export_manager(self.workdir, read_only=True)
         versions = store.list_versions(self.dir)
         last = versions[-1] if versions else -1
         done = 0
         log.info(
-            "refresh: watching %s (last published index: %d)",
+            "refresh: watching %s and %s (last published index: %d)",
+            paths.embedder_export_dir(self.workdir),
             paths.checkpoint_dir(self.workdir),
             last,
         )
         while not stop.is_set() and (max_versions is None or done < max_versions):
             with beat("checkpoint poll"):
                 mgr.reload()
+                exports.reload()
             with beat("refresh", slow=True):
-                step = self.refresh_newest(mgr, last)  # catch up: straight to the newest
+                step = self.refresh_newest(mgr, last, exports)  # catch up: to the newest
             if step is not None:
                 last = step
                 done += 1
@@ -226,11 +246,39 @@ def _cleanup(index_dir: str, keep: int) -> None:
         log.warning("index: retention in %s failed (%s); old versions kept for now", index_dir, e)
 
 
+def _candidates(last: int, sources: dict) -> list[tuple[int, str]]:
+    """(step, kind) of every export and checkpoint newer than `last`, newest first, an export
+    before a checkpoint of the same step; process 0's listing on every process (a step that
+    one host lists and another does not yet must not split their collectives)."""
+    kinds = list(sources)
+    found = sorted(
+        (
+            (s, k)
+            for k in kinds
+            if sources[k] is not None
+            for s in sources[k].all_steps()
+            if s > last
+        ),
+        key=lambda sk: (-sk[0], kinds.index(sk[1])),
+    )[:64]
+    if jax.process_count() == 1:
+        return found
+    table = np.full((64, 2), -1, np.int64)
+    for j, (s, k) in enumerate(found):
+        table[j] = (s, kinds.index(k))
+    table = multihost_utils.broadcast_one_to_all(table)
+    return [(int(s), kinds[int(k)]) for s, k in table if s >= 0]
+
+
+def _step_dir(mgr, step: int) -> str:
+    return fs.join(os.fspath(mgr.directory), str(step))
+
+
 def _folder_id(mgr, step: int) -> tuple[int, int] | None:
     """Which folder holds checkpoint `step` now (a damaged one the trainer moved aside and
     saved again is a new folder); None when it is gone. On an object store, where folders have
     no identity, the signature of the step's orbax metadata file (rewritten with the step)."""
-    folder = fs.join(os.fspath(mgr.directory), str(step))
+    folder = _step_dir(mgr, step)
     try:
         if fs.is_remote(folder):
             return fs.signature(fs.join(folder, "_CHECKPOINT_METADATA"))

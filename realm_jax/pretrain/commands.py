@@ -22,6 +22,8 @@ from realm_jax.data import datasets, pipeline
 from realm_jax.index import bm25_candidates
 from realm_jax.index.feed import IndexFeed
 from realm_jax.lock import workdir_lock
+from realm_jax.model.bert import ModelConfig
+from realm_jax.model.realm import doc_embedder_name
 from realm_jax.pretrain import step as pretrain_step
 from realm_jax.pretrain.evaluation import RealmEvaluator
 from realm_jax.train import loop
@@ -98,6 +100,7 @@ def _train(
         (pipeline.iterator_save_args, pipeline.iterator_restore_args),
         fingerprint=loop.fingerprint(config, ddir),
     )
+    export = _embedder_export(config, workdir, start)  # before a stale export is read
     feed = IndexFeed(config, workdir, mesh, model, tokens)
     feed.start(state.params, start, health)
     step_fn = pretrain_step.compile_train_step(
@@ -110,9 +113,12 @@ def _train(
     def before_step(step: int, state) -> dict:
         if health is not None:
             health()
+        out = {}  # the export first: a lockstep refresh may wait for its index below
+        if export is not None and step > start and export.maybe_save(step, state.params):
+            out["embedder_export_seconds"] = export.last_seconds
         if step > start and feed.due(step) and feed.maybe_refresh(state.params, step):
-            return {"index_swap_seconds": feed.last_swap_seconds}
-        return {}
+            out["index_swap_seconds"] = feed.last_swap_seconds
+        return out
 
     def step(state, batch):
         state, metrics = step_fn(state, batch, feed.emb, feed.tokens, jnp.int32(feed.step))
@@ -125,11 +131,27 @@ def _train(
         before_step=before_step,
         console_keys=CONSOLE_KEYS,
         eval_console_keys=EVAL_CONSOLE_KEYS,
-        close=feed.close,
+        close=lambda: _close(feed, export),
     )
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event
     )
+
+
+def _embedder_export(config, workdir: str, start: int):
+    """The trainer's exports of the document embedder for the refresh job (external mode,
+    every refresh.export_every steps: checkpoint.EmbedderExport); None when it writes none."""
+    every = checkpoint.export_every(config)
+    if every <= 0:
+        return None
+    name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
+    return checkpoint.EmbedderExport(workdir, name, every, start)
+
+
+def _close(feed: IndexFeed, export) -> None:
+    feed.close()
+    if export is not None:
+        export.close()  # the last export complete before the trainer exits
 
 
 def _setup(config, workdir: str):
