@@ -67,9 +67,7 @@ def _train(
     gold_of = None
     if curriculum or separate:  # a separate text's sentences: their document's block (the
         # first of its title), for the curriculum and the own-document coverage metrics
-        gold_of = {}
-        for i, t in enumerate(titles):
-            gold_of.setdefault(t, i)
+        gold_of = titles  # datasets.TitleIds: .get(title) is its first block
     extra = None
     if extra_m > 0 or int(tc.get("article_block_steps", 0)) > 0:  # (the file holds both)
         extra = bm25_candidates.ensure(ddir, max(extra_m, 1)).truncated(extra_m)

@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from realm_jax import sharding
+from realm_jax.data import datasets
 from realm_jax.model.inputs import joint_len
 from realm_jax.ops.fused_softmax import fused_marginal_loss
 from realm_jax.pretrain import measures, retrieval, step_config
@@ -147,15 +148,16 @@ def compile_eval(config, mesh, model, num_valid: int):
 class RealmEvaluator:
     """Evaluates the held-out batches against the trainer's current index."""
 
-    def __init__(self, config, mesh, model, feed, batches: list[dict], titles: list[str]):
+    def __init__(self, config, mesh, model, feed, batches: list[dict], titles):
+        """titles: every block's title, as datasets.TitleIds (ids, never the strings) or a
+        list of strings (tests, scripts)."""
         self.mesh, self.feed = mesh, feed
         self.fn = compile_eval(config, mesh, model, feed.num_blocks)
-        self.titles = np.asarray(titles, dtype=object)
-        counts = collections.Counter(titles)
-        self.title_count = np.asarray([counts[t] for t in titles], np.float64)
-        first = {}
-        for i, t in enumerate(titles):
-            first.setdefault(t, i)
+        if not isinstance(titles, datasets.TitleIds):
+            titles = datasets.TitleIds.of(list(titles))
+        self.names = titles
+        self.titles = titles.ids  # [N] int64: equal ids, equal titles
+        self.title_count = titles.count  # [N] blocks sharing each block's title
         k = config.train.num_candidates - 1
         self.ks = sorted({j for j in RECALL_KS if j <= k} | {k})
         # Each batch's queries' titles as block indices (a block of that title; -1 none) on
@@ -168,7 +170,7 @@ class RealmEvaluator:
             if names is None:  # examples of an older prepare: the own block's title only
                 gold = own.copy()
             else:
-                gold = np.asarray([first.get(t, -1) for t in names], np.int64)
+                gold = np.asarray([titles.get(str(t), -1) for t in names], np.int64)
                 gold = np.where(own >= 0, own, gold)
             self.batches.append(local)
             self.gold.append(gold)
@@ -226,7 +228,7 @@ class RealmEvaluator:
         out.update(collapse_metrics(np.concatenate(tops) if tops else np.zeros(0, np.int64)))
         out["examples"] = sums["queries"]
         out["index_step"] = self.feed.step
-        warn_collapse(out, step, tops, self.titles)
+        warn_collapse(out, step, tops, self.names)
         return out
 
 
@@ -252,11 +254,18 @@ def warn_collapse(out: dict, step: int, tops: list, titles) -> None:
         "on the query; see docs/tutorial.md",
         step,
         block,
-        titles[block] if block < len(titles) else "?",
+        _title_of(titles, block),
         100 * out["top1_share"],
         int(out["examples"]),
         int(out["distinct_top1"]),
     )
+
+
+def _title_of(titles, block: int) -> str:
+    """A block's title from datasets.TitleIds (read back) or a list of titles."""
+    if isinstance(titles, datasets.TitleIds):
+        return titles.name(block)
+    return titles[block] if block < len(titles) else "?"
 
 
 def _copy_sums(acc: collections.Counter, m: dict) -> None:
