@@ -218,11 +218,15 @@ def test_refresher_publishes_and_trainer_switches(data_dir, tmp_path, caplog):
     checkpoint.save(mgr, 5, state1)  # new document embedder parameters
     mgr.wait_until_finished()
     assert refresher.run(max_versions=1) == 1
-    # The first look starts reading the new version beside the training steps (the trainer
-    # does not wait for it); a later look swaps it in once every host has its rows.
+    # A due step starts a look for a newer version on a background thread (process 0 never
+    # lists storage on the training thread); the next takes its answer and starts reading
+    # the version beside the training steps; a later one swaps it in once every host has its
+    # rows. The trainer waits for none of it.
     assert not feed.maybe_refresh(state1.params, 5) and feed.step == 0
+    feed._lookout.thread.join(60)
+    assert not feed.maybe_refresh(state1.params, 6) and feed.step == 0
     assert feed._pending[2].done.wait(60)
-    assert feed.maybe_refresh(state1.params, 6) and feed.step == 5
+    assert feed.maybe_refresh(state1.params, 7) and feed.step == 5
     ids1, emb1 = top_ids()
     want1 = np.asarray(embed_ref(state1.params, tokens))
     np.testing.assert_allclose(emb1, want1, atol=2e-5)
