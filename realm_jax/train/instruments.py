@@ -19,6 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from realm_jax import hlo_cost
 from realm_jax.config import ConfigError
 from realm_jax.train import goodput
 
@@ -98,7 +99,10 @@ def _live() -> list:
 
 
 def executables_flops(executables) -> float | None:
-    """The summed cost-analysis flops of `executables` (None when no cost analysis has any)."""
+    """The summed flops of `executables` (None when no cost analysis has any): XLA's cost
+    analysis, which counts a loop's body once, plus its loops' later trips (hlo_cost.loop_cost
+    on the optimized HLO): a step whose layers run in a scan (model.remat) or whose
+    micro-batches do (train.grad_accum) reported 1/layers of its FLOPs without them."""
     total, known = 0.0, False
     for exe in executables:
         try:
@@ -108,7 +112,19 @@ def executables_flops(executables) -> float | None:
         for c in cost if isinstance(cost, list | tuple) else [cost]:
             if c and "flops" in c:
                 total, known = total + float(c["flops"]), True
+        if known:
+            total += _loop_flops(exe)
     return total if known and total > 0 else None
+
+
+def _loop_flops(exe) -> float:
+    """The FLOPs of a compiled executable's loops' trips after the first (0 when its HLO
+    cannot be read)."""
+    try:
+        text = "\n".join(m.to_string() for m in exe.hlo_modules())
+    except Exception:  # a backend that does not expose the optimized module
+        return 0.0
+    return hlo_cost.loop_cost(text)[0]
 
 
 class Meter:

@@ -109,6 +109,24 @@ def test_the_first_call_gives_the_compiled_steps_flops_and_compile_time():
     assert used > 0 and peak > 0
 
 
+def test_a_step_whose_layers_run_in_a_scan_counts_every_trip():
+    """XLA's cost analysis counts a loop's body once; the Meter adds the later trips (as a
+    remat'd model's layers run: model.remat), so 8 matmuls in a scan are 8 x 2 n^3."""
+    n, trips = 64, 8
+
+    def step(s, b):
+        def layer(x, _):
+            return jnp.tanh(x @ s), None
+
+        y = jax.lax.scan(layer, b["query_ids"].astype(jnp.float32), None, length=trips)[0]
+        return s, {"y": y.sum()}
+
+    m = instruments.Meter(batch_size=n, start=0)
+    local = {"query_ids": np.ones((n, n), np.int32)}
+    m.call_step(jax.jit(step), jnp.eye(n), {"query_ids": jnp.asarray(local["query_ids"])}, local)
+    assert m.flops == pytest.approx(trips * 2 * n**3, rel=0.1)
+
+
 def test_profile_span_outside_the_run_is_skipped_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "realm_jax.train"):
         assert instruments.Profile("3:30", str(tmp_path), 0, 20).span is None
