@@ -293,7 +293,37 @@ def realm_programs(config, mesh, num_blocks: int) -> list[Program]:
         "batch shard": batch,
     }
     train = Program("REALM train step", fn, (state, batch, emb, tokens, index_step), groups)
-    return [train, refresh_program(config, mesh, num_blocks)]
+    programs = [train, refresh_program(config, mesh, num_blocks)]
+    if config.train.eval_every > 0:
+        programs.append(realm_eval_program(config, mesh, num_blocks, state))
+    return programs
+
+
+def realm_eval_program(config, mesh, num_blocks: int, state) -> Program:
+    """The held-out evaluation's program (pretrain/evaluation.py compile_eval: the forward
+    pass and its metrics) at train.eval_batch_size."""
+    from realm_jax.pretrain import evaluation, step
+
+    d, B = config.data, config.train.eval_batch_size
+    P = d.max_predictions
+    fields = {
+        "query_ids": (B, d.query_len),
+        "mlm_positions": (B, P),
+        "mlm_targets": (B, P),
+        "mlm_weights": (B, P),
+        "block_id": (B,),
+    }
+    batch = _batch(mesh, fields)
+    emb, tokens = _index_args(config, mesh, num_blocks)
+    model = step.state_parts(config)[0]
+    fn = evaluation.compile_eval(config, mesh, model, num_blocks)
+    groups = {
+        "parameters": state.params,
+        "block embeddings shard": emb,
+        "token table shard": tokens,
+        "batch shard": batch,
+    }
+    return Program("REALM evaluation", fn, (state.params, batch, emb, tokens), groups)
 
 
 def refresh_program(config, mesh, num_blocks: int) -> Program:
@@ -436,7 +466,9 @@ def comm_bound(config, mesh, program: Program) -> dict:
 
     d, m = sharding.data_size(mesh), dict(mesh.shape).get("model", 1)
     n = mesh.devices.size
-    B, D = int(config.train.batch_size), int(config.model.proj_size)
+    evaluation = program.name.endswith("evaluation")
+    B = int(config.train.eval_batch_size if evaluation else config.train.batch_size)
+    D = int(config.model.proj_size)
     Lq, Lb = int(config.data.query_len), int(config.data.block_len)
     per = B // d
     parts = {}
@@ -446,6 +478,8 @@ def comm_bound(config, mesh, program: Program) -> dict:
     if program.name.startswith("refresh"):
         rows = sharding.padded_rows(_blocks(program), mesh) // n * m  # one model group's
         parts["tensor parallel"] = _tensor_parallel(emb, rows * Lb, m)
+        parts["gathers (fsdp)"] = params * d if fsdp else 0
+    elif evaluation:  # forward only: no gradient to reduce
         parts["gathers (fsdp)"] = params * d if fsdp else 0
     else:
         parts["gradients"] = int(params * (d if fsdp else 1) * GRAD_REDUCTIONS) if d > 1 else 0
@@ -757,6 +791,8 @@ def plan(
     programs = PROGRAMS[config.task](config, mesh, num_blocks)
     if only != "all":
         programs = [p for p in programs if p.name.startswith("refresh") == (only == "refresh")]
+        if only == "train":  # the train step alone, not the evaluation's forward pass
+            programs = [p for p in programs if not p.name.endswith("evaluation")]
         if not programs:
             raise PlanError(f"--programs {only}: task {config.task!r} has no such program")
     rates = chip_rates(target, devices[0])

@@ -138,11 +138,12 @@ def compile_eval(config, mesh, model, num_valid: int):
         fixed_null=step_config.fixed_null(config),
     )
     rows = sharding.rows_sharding(mesh)
-    return jax.jit(
+    jitted = jax.jit(
         fn,
         in_shardings=(None, sharding.batch_sharding(mesh), rows, rows),
         out_shardings=NamedSharding(mesh, P()),
     )
+    return sharding.traced_in_mesh(jitted, mesh)  # the model's sharding rules apply, as in training
 
 
 class RealmEvaluator:

@@ -75,7 +75,8 @@ def test_smoke_plan_figures(tmp_path):
     assert "does NOT fit" in out and "REALM train step" in out and "refresh" in out
     last = err.strip().splitlines()[-1]
     assert last.startswith("realm-jax plan: error: ") and "does not fit cpu:4's HBM" in last
-    head, (train, refresh) = fig["header"], fig["programs"]
+    head, (train, refresh, evaluation) = fig["header"], fig["programs"]
+    assert evaluation["program"] == "REALM evaluation" and evaluation["total"] > 0
     assert head["devices"] == 4 and head["mesh"] == {"data": 4, "model": 1}
     assert head["blocks_per_device"] == 125
     g = train["groups"]
