@@ -415,7 +415,7 @@ def _run(args, overrides: list[str]) -> int:
     if args.command in WATCHED:  # from start-up to shut-down (watchdog.for_process)
         from realm_jax import watchdog
 
-        watchdog.for_process(config.train, f"realm-jax {args.command}")
+        watchdog.for_process(config.train, f"{config.task} training step")
     try:
         rc = getattr(importlib.import_module(module), function)(config, args) or 0
     except TrainingStopped as e:

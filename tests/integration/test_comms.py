@@ -48,7 +48,15 @@ def _mesh(shape):
     )
 
 
-@pytest.mark.parametrize("shape", [(4, 1), (2, 2), (1, 4)])
+# 2x2 (both axes) in make test; the one-axis meshes in the system tier (30 s each)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((4, 1), marks=pytest.mark.system),
+        (2, 2),
+        pytest.param((1, 4), marks=pytest.mark.system),
+    ],
+)
 def test_realm_train_step_communicates_what_the_design_needs(shape):
     program, comm = _audit("configs/realm.py:smoke", shape)
     _check_design(program.name, comm, shape)

@@ -217,6 +217,7 @@ def _from_exports(work: str) -> list[int]:
     return found
 
 
+@pytest.mark.system  # a 50 s `local` run; CI keeps the export, refresh and fallback tests
 def test_local_exports_every_refresh_and_the_job_publishes_them(data_dir, tmp_path):
     """`local`: the trainer exports every refresh.every (4) steps, checkpoints every 8; its
     refresh job publishes versions from exports. An export equals the trainer's checkpoint
