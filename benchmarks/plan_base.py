@@ -162,6 +162,7 @@ def main() -> int:
         metavar="NAME=WHY",
         help="a setting not compiled, and why (the doc says so); repeatable",
     )
+    p.add_argument("--note", action="append", default=[], help="a line for the doc")
     args = p.parse_args()
     skipped = dict(x.split("=", 1) for x in args.skip)
     names = args.only.split(",") if args.only else list(SETTINGS)
@@ -213,6 +214,7 @@ def main() -> int:
             "shared 2-core machine.",
         ]
         + [f"\nNot measured: `{n}`: {why}" for n, why in skipped.items()]
+        + [f"\n{note}" for note in args.note]
     )
     print(body)
     if not args.no_write:
