@@ -69,7 +69,8 @@ def table(results: dict) -> str:
     ]
     for name, r in results.items():
         h, progs = r["header"], r["programs"]
-        train, refresh = progs[0], progs[1] if len(progs) > 1 else None
+        train = progs[0]
+        refresh = next((p for p in progs if p["program"].startswith("refresh")), None)
         g = train["groups"]
         index = g.get("block embeddings shard", 0) + g.get("token table shard", 0)
         if train["total"] is not None:
@@ -111,7 +112,7 @@ def time_table(results: dict, hand: dict) -> str:
                 continue
             sec = rf["seconds"]
             count = f"{rf['flops'] / 1e12:.3f}"
-            if p["program"].startswith("REALM") and name in hand:
+            if p["program"].startswith("REALM train") and name in hand:
                 count += f" ({hand[name] / 1e12:.3f})"
             rows.append(
                 f"| {name} | {p['program']} | {count} | {rf['hbm_bytes'] / GiB:.1f} | "
