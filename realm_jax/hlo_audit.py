@@ -163,10 +163,14 @@ def _multipliers(entry, callees):
     return out
 
 
-def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
-    """Every collective in an optimized HLO module (compiled.as_text())."""
+def collectives(hlo_text: str, num_devices: int | None = None, mult=None) -> list[Collective]:
+    """Every collective in an optimized HLO module (compiled.as_text()). mult: computation ->
+    (runs per program run, in a loop, trips known), where XLA wrote no trip counts (XLA:TPU:
+    hlo_cost.loop_multipliers infers them from the loops' conditions); default from the
+    module's known_trip_count annotations."""
     comps, entry, callees = _parse(hlo_text)
-    mult = _multipliers(entry, callees) if entry else {}
+    if mult is None:
+        mult = _multipliers(entry, callees) if entry else {}
     found = []
     for comp, lines in comps.items():
         for line in lines:

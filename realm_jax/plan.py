@@ -517,7 +517,9 @@ def comm_audit(compiled, program: Program, config, mesh) -> dict:
     """The compiled program's collectives (hlo_audit) beside the design's bound."""
     from realm_jax import hlo_audit
 
-    found = hlo_audit.collectives(compiled.as_text(), mesh.devices.size)
+    text = compiled.as_text()
+    # with the loops' trips XLA:TPU leaves unwritten read from their conditions
+    found = hlo_audit.collectives(text, mesh.devices.size, loop_multipliers(text)[1])
     bound = comm_bound(config, mesh, program)
     total = hlo_audit.total_bytes(found)
     return {
