@@ -377,7 +377,33 @@ def qa_programs(config, mesh, num_blocks: int) -> list[Program]:
         "batch shard": batch,
     }
     train = Program("QA fine-tuning step", fn, (state, batch, emb, tokens), groups)
-    return [train, refresh_program(config, mesh, num_blocks)]
+    return [
+        train,
+        refresh_program(config, mesh, num_blocks),
+        qa_eval_program(config, mesh, num_blocks, state.params),
+    ]
+
+
+def qa_eval_program(config, mesh, num_blocks: int, params) -> Program:
+    """`evaluate`'s reading program (qa/evaluation.py Predictor: qa.step.predict over each
+    question's reader_beam_size blocks, traced in the mesh) at train.eval_batch_size."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from realm_jax import sharding
+    from realm_jax.qa import step
+
+    model = step.state_parts(config)[0]
+    B, R = int(config.train.eval_batch_size), int(config.qa.reader_beam_size)
+    batch = _batch(mesh, {"question_ids": (B, config.data.query_len)})
+    ids = _abstract((B, R), jnp.int32, sharding.batch_sharding(mesh))
+    emb, tokens = _index_args(config, mesh, num_blocks)
+    read = functools.partial(step.predict, model=model, mesh=mesh, length=step.reader_len(config))
+    fn = sharding.traced_in_mesh(jax.jit(read), mesh)
+    groups = {"parameters": params, "block embeddings shard": emb, "token table shard": tokens}
+    return Program("QA evaluation", fn, (params, batch["question_ids"], ids, emb, tokens), groups)
 
 
 PROGRAMS = {"realm": realm_programs, "ict": ict_programs, "qa": qa_programs}

@@ -153,7 +153,8 @@ def test_ict_and_qa_programs():
     ict = [plan.analyse(p, None) for p in _programs("configs/ict.py:smoke", [], 2, 64)]
     assert [p["program"] for p in ict] == ["ICT train step"]
     qa = [plan.analyse(p, None) for p in _programs("configs/orqa.py:smoke", [], 2, 64)]
-    assert [p["program"] for p in qa] == ["QA fine-tuning step", "refresh: embed the corpus"]
+    names = ["QA fine-tuning step", "refresh: embed the corpus", "QA evaluation"]
+    assert [p["program"] for p in qa] == names
     for p in ict + qa:
         assert p["total"] > 0 and p["groups"]["parameters"] > 0
 
