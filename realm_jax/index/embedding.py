@@ -51,31 +51,30 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int, dtype=None):
     job. Blocks are embedded in chunks of batch_size rows per device.
     """
     rows = sharding.rows_sharding(mesh)
-    spec = sharding.rows_spec(mesh)
 
     def embed(params, tokens):
-        # Each device walks its own rows `chunk` at a time, the last chunk shifted back to end
-        # at its last row (rows embedded twice get the same values): a chunk that must divide
-        # the rows a device holds fell to 4 blocks a call at 13.35M blocks on 64 devices
-        # (52,163 is prime; plan's roofline, issue 58).
+        # Each device walks its own rows `chunk` at a time, its last chunk padded with zero
+        # rows (embedded, then dropped): a chunk that had to divide the rows a device holds
+        # fell to 4 blocks a call at 13.35M blocks on 64 devices (52,163 is prime; plan's
+        # roofline, issue 58). The scan's xs keep each chunk's lookups vocabulary-parallel.
         n_dev = mesh.devices.size
         n = tokens.shape[0]
         per_dev = n // n_dev
         chunk = min(batch_size, per_dev)
-        t = jax.lax.with_sharding_constraint(tokens.reshape(n_dev, per_dev, -1), spec)
-        d = jax.eval_shape(lambda x: embed_block_tokens(model, params, x), tokens[:1])
-        out = jnp.zeros((n_dev, per_dev, d.shape[-1]), dtype or d.dtype)
-        out = jax.lax.with_sharding_constraint(out, spec)
+        steps = -(-per_dev // chunk)
+        t = tokens.reshape(n_dev, per_dev, -1)
+        t = jnp.pad(t, ((0, 0), (0, steps * chunk - per_dev), (0, 0)))  # local to each device
+        t = t.reshape(n_dev, steps, chunk, -1).transpose(1, 0, 2, 3)  # [steps, n_dev, chunk, Lb]
 
-        def one(out, i):
-            start = jnp.minimum(i * chunk, per_dev - chunk)
-            tc = jax.lax.dynamic_slice_in_dim(t, start, chunk, axis=1)  # [n_dev, chunk, Lb]
-            flat = jax.lax.with_sharding_constraint(tc.reshape(n_dev * chunk, -1), rows)
-            e = embed_block_tokens(model, params, flat).astype(out.dtype)
-            e = e.reshape(n_dev, chunk, -1)
-            return jax.lax.dynamic_update_slice_in_dim(out, e, start, axis=1), None
+        def one(_, tc):  # tc [n_dev, chunk, Lb]
+            flat = tc.reshape(n_dev * chunk, -1)
+            flat = jax.lax.with_sharding_constraint(flat, rows)
+            e = embed_block_tokens(model, params, flat)
+            e = e if dtype is None else e.astype(dtype)
+            return None, e.reshape(n_dev, chunk, -1)
 
-        out, _ = jax.lax.scan(one, out, jnp.arange(-(-per_dev // chunk)))
+        _, out = jax.lax.scan(one, None, t)  # [steps, n_dev, chunk, D]
+        out = out.transpose(1, 0, 2, 3).reshape(n_dev, steps * chunk, -1)[:, :per_dev]
         return out.reshape(n, -1)
 
     return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)

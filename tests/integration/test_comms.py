@@ -31,8 +31,15 @@ def _check_design(name: str, comm: dict, shape) -> None:
     assert "all-to-all" not in kinds, [c.describe() for c in found if c.kind == "all-to-all"]
     m = shape[1]
     vocab_sizes = {VOCAB} | ({VOCAB // m} if VOCAB % m == 0 else set())
-    moved = [c for c in hlo_audit.having_dim(found, vocab_sizes) if c.kind != "all-reduce"]
-    assert not moved, [c.describe() for c in moved]  # a reduction of its gradient only
+    # a reduction of its gradient only; the refresh (forward only) may gather the table once
+    # a run, outside its loop, where XLA finds that cheaper than each chunk's lookups' sums
+    once = name.startswith("refresh")
+    moved = [
+        c
+        for c in hlo_audit.having_dim(found, vocab_sizes)
+        if c.kind != "all-reduce" and (c.in_loop or not once or c.count > 1)
+    ]
+    assert not moved, [c.describe() for c in moved]
     index = hlo_audit.having_dim(found, [sharding.padded_rows(NUM_BLOCKS, _mesh(shape))])
     assert not index, [c.describe() for c in index]
     bound = comm["bound"]
