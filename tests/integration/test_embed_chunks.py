@@ -1,6 +1,7 @@
 """The refresh's corpus embedding (embedding.embed_blocks_fn) in chunks that do not divide a
-device's rows: each device's last chunk is shifted back to end at its last row, and every row
-equals the document embedder applied to the whole table at once (the reference)."""
+device's rows: each device's last chunk is padded with zero rows (embedded, then dropped),
+and every row equals the document embedder applied to the whole table at once (the
+reference)."""
 
 import jax
 import numpy as np
@@ -19,7 +20,7 @@ def test_chunks_that_do_not_divide_the_rows_embed_every_row_once():
     _, t = embedding.pad_index(None, tokens, mesh)
     params = sharding.to_host(state.params)
     want = np.asarray(embedding.embed_block_tokens(model, params, np.asarray(t, np.int32)))
-    for chunk in (5, 16, 64):  # 16 rows a device: 4 chunks (the last shifted), 1, 1
+    for chunk in (5, 16, 64):  # 16 rows a device: 4 chunks (the last padded), 1, 1
         got = embedding.embed_blocks_fn(model, mesh, chunk)(
             state.params, sharding.put_rows(t, mesh)
         )
