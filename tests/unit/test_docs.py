@@ -1,6 +1,7 @@
 """Docs that run (issue 47): every command, option, config variant and field, make target and
 relative link the user-facing pages name exists in the code. Part of `make check`."""
 
+import ast
 import os
 import re
 
@@ -15,6 +16,12 @@ PAGES = ["README.md", "tpu/README.md"] + [
     for f in sorted(os.listdir(os.path.join(REPO, "docs")))
     if f.endswith(".md")
 ]
+# the studies' pages, which docs/results.md and the README link
+STUDIES = sorted(
+    os.path.join("experiments", d, "README.md")
+    for d in os.listdir(os.path.join(REPO, "experiments"))
+    if os.path.exists(os.path.join(REPO, "experiments", d, "README.md"))
+)
 # named on purpose as bad input (docs/reliability.md's error table) or as a placeholder
 DELIBERATE = {"configs/nope.py:smoke", "configs/realm.py:tiny", "--config.train.lrr", "--config.k"}
 
@@ -56,7 +63,7 @@ def _config_keys(spec: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", PAGES + STUDIES)
 def test_relative_links_exist(page):
     text = _read(page)
     missing = []
@@ -121,3 +128,182 @@ def test_the_index_lists_every_command():
     text = _read("docs/reference.md")
     missing = [c for c in cli.COMMANDS if f"### {c}" not in text and f"`{c}`" not in text]
     assert not missing, f"docs/reference.md does not document {missing}"
+
+
+# The repository's top-level folders a page's path names start with (runs/ is what commands
+# write: never checked).
+TOP_FOLDERS = (
+    "acceptance",
+    "benchmarks",
+    "configs",
+    "data",
+    "docs",
+    "experiments",
+    "realm_jax",
+    "tests",
+    "tpu",
+)
+# A repo-relative path anywhere in a page: a top-level folder not preceded by a path's own
+# characters (so never inside runs/x/data/, $WORKDIR/data/, gs://b/docs/ or a URL).
+_PATH = re.compile(r"(?<![\w./<>$~-])((?:" + "|".join(TOP_FOLDERS) + r")/[\w./-]*)")
+# named on purpose although absent, with the reason
+ABSENT_ON_PURPOSE = {
+    "configs/nope.py": "docs/reliability.md's error table: the missing config file's message",
+}
+
+
+def named_paths(text: str) -> set[str]:
+    """The repo-relative paths a page names, in prose, code or links; placeholders (<name>)
+    and globs skipped."""
+    out = set()
+    for m in _PATH.finditer(text):
+        path = m.group(1).rstrip(".,:;")
+        rest = text[m.end() : m.end() + 1]
+        if rest in ("<", "*", "{", "$") or any(c in path for c in "*{}"):
+            continue
+        out.add(path)
+    return out
+
+
+def test_named_paths_parse():
+    text = (
+        "see `tests/unit/test_docs.py`, [w](../experiments/world/README.md), realm_jax/qa/. "
+        "runs/x/data/sample.txt, $WORKDIR/data/y, gs://b/docs/z, experiments/<name>/README.md, "
+        "benchmarks/*.py, https://example.com/tests/a.py"
+    )
+    assert named_paths(text) == {"tests/unit/test_docs.py", "realm_jax/qa/"}
+
+
+@pytest.mark.parametrize("page", PAGES + STUDIES)
+def test_named_paths_exist(page):
+    """Every repo-relative path a page names (tests/..., realm_jax/..., benchmarks/...,
+    experiments/..., configs/..., docs/...) exists: a renamed or moved file fails here."""
+    missing = sorted(
+        p
+        for p in named_paths(_read(page))
+        if p not in ABSENT_ON_PURPOSE
+        and not os.path.exists(os.path.join(REPO, p))
+        and not os.path.exists(os.path.join(REPO, os.path.dirname(page), p))
+    )
+    assert not missing, f"{page}: names paths that do not exist: {missing}"
+
+
+# Where the metrics the training log, TensorBoard and metrics.json show are computed: each
+# key a metrics dict of these files is given ("metrics"/"out"/"speed" = {...}, [...] = ...,
+# .update(...), Contribution(metrics={...})) must be defined in docs/glossary.md.
+METRIC_SOURCES = (
+    "realm_jax/ops/fused_softmax.py",
+    "realm_jax/pretrain/step.py",
+    "realm_jax/pretrain/measures.py",
+    "realm_jax/pretrain/terms.py",
+    "realm_jax/pretrain/evaluation.py",
+    "realm_jax/pretrain/commands.py",
+    "realm_jax/qa/step.py",
+    "realm_jax/qa/evaluation.py",
+    "realm_jax/qa/commands.py",
+    "realm_jax/ict/step.py",
+    "realm_jax/ict/evaluation.py",
+    "realm_jax/train/state.py",
+    "realm_jax/train/instruments.py",
+)
+_METRIC_DICTS = {"metrics", "out", "speed"}
+# arrays the steps and evaluations pass on inside the dict, popped or reduced before logging
+NOT_LOGGED = {
+    "block_holds",
+    "candidate_holds",
+    "posterior",
+    "prior",
+    "query_targets",
+    "query_emb",
+    "read_ids",
+    "read_relevance",
+    "retrieved_ids",
+}
+# f-string keys ({} where the code fills in a value) as the glossary names them
+TEMPLATES = {
+    "accuracy_block_{}": ("accuracy_block_holds", "accuracy_block_lacks"),
+    "doc_in_candidates{}": ("doc_in_candidates", "doc_in_candidates_dense"),
+    "span_in_candidates{}": ("span_in_candidates", "span_in_candidates_dense"),
+    "goodput/{}": ("goodput/<part>",),
+    "grad_norm/{}": ("grad_norm/<network>",),
+    "recall@{}": ("recall@k",),
+    "title_recall@{}": ("title_recall@k",),
+}
+
+
+def _key(node) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    return None
+
+
+def _is_metrics(node) -> bool:
+    return isinstance(node, ast.Name) and node.id in _METRIC_DICTS
+
+
+def _dict_keys(tree) -> list:
+    """The key nodes a module gives its metrics dicts."""
+    keys = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if _is_metrics(t) and isinstance(n.value, ast.Dict):
+                    keys += n.value.keys
+                elif isinstance(t, ast.Subscript) and _is_metrics(t.value):
+                    keys.append(t.slice)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr == "update" and _is_metrics(n.func.value):
+                keys += [ast.Constant(k.arg) for k in n.keywords if k.arg]
+                keys += [k for a in n.args if isinstance(a, ast.Dict) for k in a.keys]
+                keys += [a.key for a in n.args if isinstance(a, ast.DictComp)]
+        elif isinstance(n, ast.keyword) and n.arg == "metrics" and isinstance(n.value, ast.Dict):
+            keys += n.value.keys
+    return keys
+
+
+def logged_metric_names() -> set[str]:
+    """The metric names the code gives, from its metrics dicts (METRIC_SOURCES), the tasks'
+    console keys, ICT's evaluation keys, the goodput parts and the progress keys."""
+    from realm_jax.pretrain import commands as pretrain
+    from realm_jax.qa import commands as qa
+    from realm_jax.train import goodput
+
+    keys = [k for path in METRIC_SOURCES for k in _dict_keys(ast.parse(_read(path)))]
+    names = {k for k in map(_key, keys) if k is not None} - NOT_LOGGED
+    for template, shown in TEMPLATES.items():
+        if template in names:
+            names = (names - {template}) | set(shown)
+    names |= set(pretrain.CONSOLE_KEYS + pretrain.EVAL_CONSOLE_KEYS)
+    names |= set(qa.CONSOLE_KEYS + qa.EVAL_CONSOLE_KEYS)
+    names |= {"bm25_recall@k", "top1_share", "distinct_top1", "steps_per_sec", "eta_seconds"}
+    names |= set(goodput.PARTS) | {"wall"}
+    for k in list(names):  # the console keys' k-specific names, as the glossary writes them
+        if re.fullmatch(r"(title_)?recall@\d+", k):
+            names.discard(k)
+            names.add(re.sub(r"\d+$", "k", k))
+    return names
+
+
+def test_metric_templates_known():
+    """A new f-string metric key needs its glossary form in TEMPLATES."""
+    names = logged_metric_names()
+    assert not [n for n in names if "{}" in n], names
+
+
+def test_the_glossary_defines_every_logged_metric():
+    glossary = _read("docs/glossary.md")
+    missing = sorted(n for n in logged_metric_names() if f"`{n}`" not in glossary)
+    assert not missing, f"docs/glossary.md does not define the logged metrics {missing}"
+
+
+def test_the_glossary_names_only_metrics_the_code_gives():
+    """Each metric the glossary's log section defines (a bullet's leading `names`) is one the
+    code still gives: a renamed metric fails here as well as above."""
+    text = _read("docs/glossary.md").split("## What the log and metrics.json print", 1)[1]
+    defined = set()
+    for bullet in re.findall(r"^- (.*?):", text, re.M):
+        defined |= set(re.findall(r"`([^`]+)`", bullet.split("(")[0]))
+    stale = sorted(defined - logged_metric_names())
+    assert not stale, f"docs/glossary.md defines metrics the code no longer gives: {stale}"
