@@ -1,5 +1,7 @@
-"""Docs that run (issue 47): every command, option, config variant and field, make target and
-relative link the user-facing pages name exists in the code. Part of `make check`."""
+"""Docs that run (issue 47): every command, option, config variant and field, make target,
+relative link, section anchor and repo path the user-facing pages name exists in the code or
+the repository, and the glossary defines every metric the training log prints. Part of
+`make check`."""
 
 import ast
 import os
@@ -128,6 +130,31 @@ def test_the_index_lists_every_command():
     text = _read("docs/reference.md")
     missing = [c for c in cli.COMMANDS if f"### {c}" not in text and f"`{c}`" not in text]
     assert not missing, f"docs/reference.md does not document {missing}"
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as
+    hyphens, a repeated heading's with -1, -2, ...; headings in fenced code are none."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    out, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} (.+?)\s*#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES + STUDIES)
+def test_link_anchors_exist(page):
+    """A link to a section of a page (page.md#section) names a heading the page has."""
+    bad = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", _read(page)):
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+        if path.endswith(".md") and os.path.exists(os.path.join(REPO, path)):
+            if anchor not in heading_anchors(_read(path)):
+                bad.append(f"{target}#{anchor}")
+    assert not bad, f"{page}: links to sections that do not exist: {bad}"
 
 
 # The repository's top-level folders a page's path names start with (runs/ is what commands
