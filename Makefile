@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 SMOKE_DIR ?= runs/smoke
 
 .PHONY: venv test check test-system test-experiments test-slow smoke smoke-qa lint format bench clean \
-	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial device-check
+	squad-qa peer-bench drills plan pod-rehearsal ablations world-tutorial device-check tensorboard
 
 # The packages' bytecode is compiled at install, on every core: where PYTHONDONTWRITEBYTECODE is
 # set (it is on our machines and, by its timings, on CI's), Python never writes it, and each
@@ -71,6 +71,16 @@ smoke: $(STAMP)
 
 # A fine-tuned workdir to try the Python API on (docs/python.md): the sample's questions, from
 # scratch each time (prepared data is reused).
+# TensorBoard on the curves a run writes to WORKDIR/tb (`make tensorboard TB=runs/squad`; TB=runs
+# shows every run under runs/ side by side), at http://localhost:$(TB_PORT). TensorBoard is not in
+# requirements.txt (it adds grpcio, Werkzeug, Markdown): installed into .venv on first use.
+TB ?= $(SMOKE_DIR)
+TB_PORT ?= 6006
+TENSORBOARD := tensorboard==2.21.0
+tensorboard: $(STAMP)
+	test -x $(VENV)/bin/tensorboard || $(PY) -m pip install --quiet "$(TENSORBOARD)"
+	$(VENV)/bin/tensorboard --logdir "$(TB)" --port $(TB_PORT)
+
 smoke-qa: $(STAMP)
 	rm -rf runs/smoke-qa/checkpoints runs/smoke-qa/best runs/smoke-qa/index runs/smoke-qa/tb
 	$(PY) -m realm_jax prepare --config configs/orqa.py:smoke --workdir runs/smoke-qa

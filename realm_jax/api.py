@@ -26,13 +26,13 @@ import os
 
 import numpy as np
 
-from realm_jax import fs
+from realm_jax import fs, validation
 from realm_jax import workdir as paths
 
 log = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.json"  # {"config": "configs/x.py:variant", "overrides": [...]}
-RETRIEVERS = ("dense", "bm25", "hybrid")
+RETRIEVERS = validation.RETRIEVERS  # dense, bm25, hybrid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +83,16 @@ def load(
     workdir: str,
     config: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
-    checkpoint: str = "best",
+    checkpoint: str | int = "best",
 ) -> Model:
     """A trained workdir (local or gs://) ready to retrieve, answer and embed. config: a config
     spec ('configs/orqa.py:squad'), else the one the workdir recorded (with its overrides, then
-    `overrides`). checkpoint (fine-tuned workdirs): best (the kept best dev checkpoint, else
-    the newest) or latest."""
+    `overrides`). checkpoint: best (a fine-tuned workdir's kept best dev checkpoint, else the
+    newest), latest, or a step number the workdir holds. Loads on any host, whatever mesh the
+    workdir was trained on (sharding.inference_mesh)."""
     from realm_jax.config import load_config, validate
 
+    checkpoint = validation.checkpoint(checkpoint)  # before any file is read
     if not fs.isdir(workdir):
         raise FileNotFoundError(f"{workdir}: no such workdir")
     if is_export(workdir):
@@ -156,17 +158,21 @@ class Model:
     """A loaded workdir (realm_jax.load). Lists in, lists (or arrays) out; a single string in
     gives a single result."""
 
-    def __init__(self, config, workdir: str, which: str = "best"):
+    def __init__(self, config, workdir: str, which: str | int = "best"):
         import jax
 
         from realm_jax import sharding
         from realm_jax.data import datasets
 
+        which = validation.checkpoint(which)
         self.config, self.workdir, self._which = config, workdir, which
         self.is_qa = config.task == "qa"
         self.data_dir = paths.data_dir(config, workdir)
         datasets.load_summary(self.data_dir)  # a clear error when the data is not prepared
-        self._mesh = sharding.make_mesh(config.mesh, devices=jax.local_devices()[:1])
+        if isinstance(which, int):  # a step the workdir does not hold: an error now
+            self._manager()
+        # one device of this host, whatever mesh the workdir was trained on
+        self._mesh = sharding.inference_mesh(config.mesh, devices=jax.local_devices()[:1])
         self._blocks = datasets.blocks_source(self.data_dir)
         self._predictors: dict[str, tuple] = {}
         self._params: dict | None = None
@@ -203,18 +209,7 @@ class Model:
     def _manager(self):
         from realm_jax import checkpoint
 
-        if self.is_qa and self._which == "best" and fs.isdir(paths.best_dir(self.workdir)):
-            mgr = checkpoint.best_manager(
-                paths.best_dir(self.workdir), self.config.qa.best_metric, read_only=True
-            )
-            if (step := mgr.best_step()) is not None:
-                return mgr, step
-        if not fs.isdir(paths.checkpoint_dir(self.workdir)):
-            raise FileNotFoundError(f"{self.workdir}: no checkpoints: train this workdir first")
-        mgr = checkpoint.manager(self.workdir, with_data=False, read_only=True)
-        step = mgr.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{paths.checkpoint_dir(self.workdir)}: no checkpoint yet")
+        mgr, step, _ = checkpoint.find_checkpoint(self.config, self.workdir, self._which)
         return mgr, step
 
     def _index(self) -> np.ndarray:
@@ -262,7 +257,8 @@ class Model:
         scores against the index by inner product)."""
         from realm_jax.tokenization import encode_query
 
-        texts = [texts] if isinstance(texts, str) else list(texts)
+        texts = validation.texts(texts, "text")
+        batch_size = validation.top_k(batch_size, "batch_size")
         net = {"query_embedder": self._network("query_embedder")}
         n = self.config.data.query_len
         out = []
@@ -280,10 +276,19 @@ class Model:
         from realm_jax.model.realm import doc_embedder_name
         from realm_jax.tokenization import encode_block
 
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        titles = [""] * len(texts) if titles is None else list(titles)
+        texts = validation.texts(texts, "text")
+        batch_size = validation.top_k(batch_size, "batch_size")
+        if titles is None:
+            titles = [""] * len(texts)
+        else:  # titles may be empty strings, not other types
+            titles = [titles] if isinstance(titles, str) else list(titles)
+            for i, t in enumerate(titles):
+                if not isinstance(t, str):
+                    raise validation.InputTypeError(
+                        f"titles[{i}] must be a str, got {type(t).__name__} {t!r:.60}"
+                    )
         if len(titles) != len(texts):
-            raise ValueError(f"{len(titles)} titles for {len(texts)} texts")
+            raise validation.InputError(f"{len(titles)} titles for {len(texts)} texts")
         name = doc_embedder_name(ModelConfig.from_config(self.config.model, "embedder"))
         net = {name: self._network(name)}
         n = self.config.data.block_len
@@ -313,12 +318,9 @@ class Model:
     def retrieve(self, questions, k: int = 5, retriever: str = "dense"):
         """The top k blocks of each question (or masked sentence): [Hit] for a string,
         [[Hit]] for a list. retriever: dense, bm25 or hybrid (module docstring)."""
-        if retriever not in RETRIEVERS:
-            raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        single = isinstance(questions, str)
-        qs = [questions] if single else list(questions)
+        qs, single = validation.questions(questions)
+        k = validation.top_k(k, "k")
+        retriever = validation.retriever(retriever)
         ids, scores = self._search(qs, k, retriever)
         out = [[self._hit(i, s) for i, s in zip(r, t, strict=True)] for r, t in zip(ids, scores)]
         return out[0] if single else out
@@ -355,8 +357,9 @@ class Model:
                 "fills masks, it does not answer; fine-tune it (`realm-jax finetune`) and load "
                 "that workdir, or use retrieve()"
             )
-        if retriever not in RETRIEVERS:
-            raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
+        qs, single = validation.questions(questions)
+        retriever = validation.retriever(retriever)
+        batch_size = validation.top_k(batch_size, "batch_size")
         from realm_jax.qa.answers import QAExample
         from realm_jax.qa.commands import open_predictor
 
@@ -365,8 +368,6 @@ class Model:
                 self.config, self.workdir, retriever, self._which
             )
         predictor, params, _ = self._predictors[retriever]
-        single = isinstance(questions, str)
-        qs = [questions] if single else list(questions)
         records, _ = predictor.run(params, [QAExample(q, ()) for q in qs], batch_size)
         out = []
         for q, r in zip(qs, records, strict=True):

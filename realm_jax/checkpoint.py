@@ -35,6 +35,16 @@ log = logging.getLogger(__name__)
 FINGERPRINT_KEY = "fingerprint"  # in orbax's custom_metadata of every step
 
 
+def _not_read_only_notice(record: logging.LogRecord) -> bool:
+    """orbax warns "Given directory is read only=<dir>" (through absl) for every read-only
+    CheckpointManager, which is how `ask`, `evaluate`, realm_jax.load and the refresh job read
+    checkpoints on purpose: that notice dropped, every other absl/orbax warning kept."""
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_not_read_only_notice)
+
+
 class CheckpointMismatch(ValueError):
     """The checkpoint was written for another config or other data (not damage)."""
 
@@ -54,7 +64,9 @@ def manager(workdir: str, *, keep: int = 3, with_data: bool = True, read_only: b
     """A CheckpointManager over <workdir>/checkpoints with items 'state' (+ 'data_iter')."""
     items = ("state", "data_iter") if with_data else ("state",)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        # read-only: what orbax would set, with a warning each, when given anything else
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else 1,
         create=not read_only,
         enable_async_checkpointing=not read_only,
         read_only=read_only,
@@ -383,11 +395,43 @@ def restore_params_subtree(mgr, step: int, name: str, abstract_subtree):
     return out["state"]["params"][name]
 
 
+def find_checkpoint(config, workdir: str, which="best"):
+    """(read-only manager, step, "best"/"latest"/"step") of the checkpoint `which` names in a
+    workdir, for answering with it: "best" (a fine-tuned workdir's kept best dev checkpoint,
+    else the newest), "latest" (the newest in checkpoints/) or a step number held in
+    checkpoints/ or best/ (validation.existing_step's error otherwise)."""
+    from realm_jax import validation
+
+    which = validation.checkpoint(which)
+    qa = config.get("task") == "qa" and "qa" in config
+    best = None
+    if qa and fs.isdir(paths.best_dir(workdir)):
+        best = best_manager(paths.best_dir(workdir), config.qa.best_metric, read_only=True)
+    if which == "best" and best is not None and (step := best.best_step()) is not None:
+        return best, step, "best"
+    has_dir = fs.isdir(paths.checkpoint_dir(workdir))
+    mgr = manager(workdir, with_data=False, read_only=True) if has_dir else None
+    if isinstance(which, int):
+        if mgr is not None and which in mgr.all_steps():
+            return mgr, which, "step"
+        if best is not None and which in best.all_steps():
+            return best, which, "step"
+        held = set(mgr.all_steps() if mgr else ()) | set(best.all_steps() if best else ())
+        validation.existing_step(which, held, workdir)
+    if mgr is None:
+        raise FileNotFoundError(f"{workdir}: no checkpoints: train this workdir first")
+    step = mgr.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"{paths.checkpoint_dir(workdir)}: no checkpoint yet")
+    return mgr, step, "latest"
+
+
 def best_manager(directory: str, metric: str, *, read_only: bool = False):
     """A CheckpointManager keeping the one checkpoint with the highest `metric` (orbax's
     best_fn): item 'state' holds {"params": ...} only, so restore_params_subtree reads it."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=1,
+        max_to_keep=None if read_only else 1,
+        save_interval_steps=0 if read_only else 1,
         best_fn=lambda m: m[metric],
         best_mode="max",
         keep_checkpoints_without_metrics=False,
@@ -435,7 +479,8 @@ def export_manager(workdir: str, *, read_only: bool = False):
     ...}} alone, so restore_params_subtree reads an export as it reads a checkpoint. Saves
     are async: the step waits only for the device-to-host copy. EXPORTS_KEPT kept (above)."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=EXPORTS_KEPT,
+        max_to_keep=None if read_only else EXPORTS_KEPT,
+        save_interval_steps=0 if read_only else 1,
         create=not read_only,
         enable_async_checkpointing=not read_only,
         read_only=read_only,

@@ -57,9 +57,36 @@ def mark_absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+# A child process that must not outlive its parent (`local`'s refresh job) is started with its
+# parent's pid in this variable; setup() then asks the kernel to SIGTERM it when that parent
+# dies. Set by the child itself rather than in a preexec_fn, whose fork runs Python's at-fork
+# hooks and JAX's warning "os.fork() was called ... JAX is multithreaded" in the parent.
+PARENT_ENV = "REALM_JAX_DIE_WITH_PARENT"
+
+
+def die_with_parent() -> None:
+    """When $REALM_JAX_DIE_WITH_PARENT names this process's parent: SIGTERM this process when
+    the parent dies, even by kill -9 (Linux prctl PR_SET_PDEATHSIG), and exit now if it died
+    already (before the prctl); elsewhere the parent still stops it on a normal exit."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent.isdigit():
+        return
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux
+    if os.getppid() != int(parent):  # the parent died before the prctl: reparented
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def setup(args) -> None:
     """From the CLI's common flags: --verbose, --cpu_devices, --coordinator/--num_processes/
     --process_id (explicit clusters; gloo collectives on CPU) or --multihost (TPU pods)."""
+    die_with_parent()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -6,6 +6,7 @@ document index (embeddings and tokens) is sharded by rows over *every* device of
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -15,6 +16,8 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+log = logging.getLogger(__name__)
 
 # Weights: shard the big matrices over 'model' (vocab, mlp, heads); activations' batch on 'data'.
 LOGICAL_RULES = (
@@ -67,6 +70,37 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     shape = resolve_mesh_shape(mesh_config.shape, len(devices))
     return jax.make_mesh(
         shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes), devices=devices
+    )
+
+
+def inference_mesh(mesh_config, devices=None, batch_size: int = 0) -> Mesh:
+    """The mesh to answer with (`ask`, `evaluate`, realm_jax.load): config.mesh when its shape
+    fits `devices` (default: the job's), else every axis 1 but 'data', which takes as many of
+    the devices as divide `batch_size` (all of them when 0), with one log line saying so. A
+    workdir trained on a pod's mesh loads on a laptop: its checkpoint is restored resharded to
+    this mesh's shardings (orbax restores to the target's shardings)."""
+    devices = list(devices if devices is not None else jax.devices())
+    try:
+        resolve_mesh_shape(mesh_config.shape, len(devices))
+        return make_mesh(mesh_config, devices)
+    except MeshError as e:
+        axes = tuple(mesh_config.axes)
+        if "data" not in axes or len(axes) != len(mesh_config.shape):
+            raise
+        reason = str(e)
+    n = len(devices)
+    if batch_size > 0:
+        n = max(d for d in range(1, n + 1) if n % d == 0 and batch_size % d == 0)
+    shape = tuple(n if a == "data" else 1 for a in axes)
+    log.info(
+        "%s here: answering on mesh.shape %s (%s) of %d device(s), the checkpoint resharded",
+        reason,
+        shape,
+        ", ".join(axes),
+        n,
+    )
+    return jax.make_mesh(
+        shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes), devices=devices[:n]
     )
 
 

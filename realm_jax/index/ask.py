@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from realm_jax import checkpoint, fs, sharding
+from realm_jax import checkpoint, fs, sharding, validation
 from realm_jax import workdir as paths
 from realm_jax.data import datasets
 from realm_jax.index import store
@@ -33,8 +33,8 @@ def _query_params(config, workdir: str, mesh):
 
 def ask(config, workdir: str, question: str, top_k: int = 5):
     """[(title, text, score)] of the top_k blocks for a question or masked sentence."""
-    if top_k < 1:
-        raise ValueError(f"--top_k must be at least 1, got {top_k}")
+    validation.question(question)
+    top_k = validation.top_k(top_k, "--top_k")
     ddir = paths.data_dir(config, workdir)
     top_k = min(top_k, datasets.load_summary(ddir)["counts"]["blocks"])  # never pad rows
     found = store.latest_valid(paths.index_dir(workdir))
@@ -50,7 +50,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
         raise FileNotFoundError(f"no valid index in {paths.index_dir(workdir)}: {hint}")
     _, path = found
     # one device of this process (jax.devices()[0] is process 0's): every process answers alone
-    mesh = sharding.make_mesh(config.mesh, devices=jax.local_devices()[:1])
+    mesh = sharding.inference_mesh(config.mesh, devices=jax.local_devices()[:1])
     model, params = _query_params(config, workdir, mesh)
     ids = encode_query(question, config.data.query_len)[None]
     q = sharding.to_host(embed_query_tokens(model, {"query_embedder": params}, ids))
@@ -67,13 +67,30 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     return [(*datasets.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
 
 
+def one_line(text: str, width: int = 200) -> str:
+    """`text` on one line for a terminal: control characters and runs of whitespace as one
+    space, cut to `width` characters (an ellipsis marks a cut)."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text if len(text) <= width else text[: width - 1].rstrip() + "\u2026"
+
+
 def command(config, args) -> int:
     """`realm-jax ask "question"`: the top blocks, with their scores (a pre-training workdir
-    has no reader fine-tuned to answer: QA configs answer, qa/commands.py)."""
+    has no reader fine-tuned to answer: QA configs answer, qa/commands.py). --retriever bm25
+    or hybrid: the Python API's retrievers (api.Model.retrieve) over the same blocks."""
     if not args.question:
         raise ValueError("give a question (interactive mode needs a QA config)")
-    hits = ask(config, args.workdir, " ".join(args.question), args.top_k)
+    question = validation.question(" ".join(args.question))
+    top_k = validation.top_k(args.top_k, "--top_k")
+    retriever = validation.retriever(getattr(args, "retriever", "dense"))
+    if retriever == "dense":
+        hits = ask(config, args.workdir, question, top_k)
+    else:
+        from realm_jax.api import Model
+
+        found = Model(config, args.workdir, "latest").retrieve(question, top_k, retriever)
+        hits = [(h.title, h.text, h.score) for h in found]
     if jax.process_index() == 0:  # several processes: each computes the same, one prints
         for title, text, score in hits:
-            print(f"[{score:8.3f}] {title}: {text[:200]}")
+            print(f"[{score:8.3f}] {one_line(title, 80)}: {one_line(text)}")
     return 0

@@ -16,10 +16,15 @@ scores are the textbook ones divided by (k1 + 1) and the ranking is the same.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import bm25s
 import numpy as np
+
+# bm25s sets its logger to DEBUG when imported ("Building index from IDs objects" on every
+# index built), after runtime.setup quieted it: its warnings and errors only
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 # Show tqdm progress bars (tokenising, indexing, retrieving) only above this many items.
 PROGRESS_MIN_ITEMS = 1000

@@ -5,6 +5,7 @@ commands."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from realm_jax import checkpoint, fs, sharding
+from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
 from realm_jax.data import datasets, pipeline
@@ -232,17 +233,6 @@ def _passthrough_args(args) -> list[str]:
     return out
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when its parent dies, even by kill -9 (Linux
-    prctl PR_SET_PDEATHSIG), so no orphaned refresher keeps publishing."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent's finally block still stops it on a normal exit
-
-
 def local(config, args) -> int:
     """`realm-jax local`: the trainer in this process, the refresher as a child process;
     both stop together. The trainer lock is taken before the child starts (it takes the
@@ -273,7 +263,10 @@ class _Supervised:
         self.child = self._start()
 
     def _start(self) -> subprocess.Popen:
-        child = subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
+        # the child dies with this process (runtime.die_with_parent: no preexec_fn, no fork
+        # of this multithreaded process through Python)
+        env = {**os.environ, runtime.PARENT_ENV: str(os.getpid())}
+        child = subprocess.Popen(self.cmd, env=env)
         log.info("local: started refresher (pid %d)", child.pid)
         self.stopped_since = None
         return child

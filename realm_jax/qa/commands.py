@@ -13,10 +13,11 @@ import time
 import jax
 import optax
 
-from realm_jax import checkpoint, fs, sharding, watchdog
+from realm_jax import checkpoint, fs, sharding, validation, watchdog
 from realm_jax import workdir as paths
 from realm_jax.data import datasets, pipeline
 from realm_jax.index import store
+from realm_jax.index.ask import one_line
 from realm_jax.index.embedding import abstract_params, index_dtype
 from realm_jax.index.refresher import build_searcher
 from realm_jax.model.realm import realm_model
@@ -28,7 +29,7 @@ from realm_jax.qa.answers import (
     read_questions,
     score_predictions,
 )
-from realm_jax.qa.evaluation import DevEvaluator, FrozenIndex, Predictor
+from realm_jax.qa.evaluation import RETRIEVERS, DevEvaluator, FrozenIndex, Predictor
 from realm_jax.train import loop
 from realm_jax.train.state import create_sharded
 from realm_jax.train.warm_start import params_hook
@@ -161,25 +162,16 @@ def require_checkpoints(workdir: str) -> None:
         )
 
 
-def restore_reader(config, workdir: str, mesh, which: str = "best"):
+def restore_reader(config, workdir: str, mesh, which="best"):
     """(model, params {query_embedder, reader}, step, where) of a fine-tuned workdir: the best
-    dev checkpoint (`which`="best", falling back to the newest when none was kept) or the
-    newest one ("latest")."""
-    mgr, where = None, ""
-    if which == "best" and fs.isdir(paths.best_dir(workdir)):
-        mgr = checkpoint.best_manager(
-            paths.best_dir(workdir), config.qa.best_metric, read_only=True
+    dev checkpoint (`which`="best", falling back to the newest when none was kept), the newest
+    one ("latest") or a step number it holds (checkpoint.find_checkpoint), restored to `mesh`'s
+    shardings whatever mesh it was saved from."""
+    if not (fs.isdir(paths.best_dir(workdir)) or fs.isdir(paths.checkpoint_dir(workdir))):
+        raise FileNotFoundError(
+            f"{workdir}: no checkpoints; run `realm-jax finetune` with this workdir first"
         )
-        step, where = mgr.best_step(), "best"
-    if mgr is None or step is None:
-        if not fs.isdir(paths.checkpoint_dir(workdir)):
-            raise FileNotFoundError(
-                f"{workdir}: no checkpoints; run `realm-jax finetune` with this workdir first"
-            )
-        mgr = checkpoint.manager(workdir, with_data=False, read_only=True)
-        step, where = mgr.latest_step(), "latest"
-        if step is None:
-            raise FileNotFoundError(f"{paths.checkpoint_dir(workdir)}: no checkpoint yet")
+    mgr, step, where = checkpoint.find_checkpoint(config, workdir, which)
     params = {}
     for name in ("query_embedder", "reader"):
         model, target = abstract_params(config, mesh, name)
@@ -227,9 +219,10 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
     published from the same initial document embedder, or embedded and published here when
     the workdir has none yet (retrieval alone: the pre-trained retriever's zero-shot recall).
     model=False (BM25 retrieval alone): no checkpoint is read, params are None."""
-    if which not in CHECKPOINTS:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {which!r}")
-    mesh = sharding.make_mesh(config.mesh)
+    if which != "initial":
+        which = validation.checkpoint(which)  # best, latest or a step number
+    validation.retriever(retriever, RETRIEVERS)
+    mesh = sharding.inference_mesh(config.mesh, batch_size=int(config.train.eval_batch_size))
     ddir = paths.data_dir(config, workdir)
     tokens, doc_ids, _ = datasets.load_blocks(ddir)
     found = store.latest_valid(
@@ -367,32 +360,45 @@ def write_evaluation(out: str, records: list[dict], summary: dict) -> None:
     fs.write_text(out + ".metrics.json", json.dumps(summary, indent=2))
 
 
-def _show(record: dict, top_k: int) -> str:
+def _show(record: dict, top_k: int, retriever: str, text_of) -> str:
+    """The answer, then each block read: the score of the retriever that found it (dense
+    relevance, BM25's score, hybrid's dense + weight x BM25), its title and its text."""
+    block = record["block"]
     lines = [
-        f"answer: {record['prediction']!r}  (from {record['block']['title']!r}, "
-        f"score {record['score']:.2f})"
+        f"answer: {record['prediction']!r}  (from {one_line(block['title'], 80)!r}, "
+        f"block {block['id']}, score {record['score']:.2f})"
     ]
     for b in record["top_blocks"][:top_k]:
-        lines.append(f"  [{b['score']:8.3f}] {b['title']} (block {b['id']})")
+        score = b.get(retriever, b["score"])
+        lines.append(f"  [{score:8.3f}] block {b['id']}: {one_line(b['title'], 80)}")
+        lines.append(f"             {one_line(text_of(b['id']))}")
     return "\n".join(lines)
 
 
 def ask(config, args) -> int:
     """`realm-jax ask` with a QA config: the predicted answer span and the blocks it read;
     with no question, an interactive prompt (one question a line, empty line or EOF ends)."""
-    if args.top_k < 1:
-        raise ValueError(f"--top_k must be at least 1, got {args.top_k}")
+    validation.top_k(args.top_k, "--top_k")
+    validation.retriever(args.retriever)
+    question = " ".join(args.question)
+    if args.question:
+        validation.question(question)
     require_checkpoints(args.workdir)  # before the data is read and the model compiled
     predictor, params, source = open_predictor(config, args.workdir, args.retriever)
     log.info("answering with the %s", source)
 
+    blocks = datasets.blocks_source(paths.data_dir(config, args.workdir))
+
+    def text_of(block_id: int) -> str:
+        return blocks[int(block_id)]["text"].decode()
+
     def answer(question: str) -> None:
         records, _ = predictor.run(params, [QAExample(question, ())], 1)
         if jax.process_index() == 0:  # every process answers (collectives), process 0 prints
-            print(_show(records[0], args.top_k), flush=True)
+            print(_show(records[0], args.top_k, args.retriever, text_of), flush=True)
 
     if args.question:
-        answer(" ".join(args.question))
+        answer(question)
         return 0
     first = jax.process_index() == 0
     interactive = first and sys.stdin.isatty()

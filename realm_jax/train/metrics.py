@@ -14,6 +14,17 @@ from realm_jax import fs
 log = logging.getLogger("realm_jax")
 
 
+def view_command(logdir: str) -> str:
+    """How to watch the curves written to `logdir` (a workdir's tb/), in words."""
+    workdir = fs.dirname(logdir.rstrip("/"))
+    if fs.is_remote(logdir):  # TensorBoard reads gs:// with tensorflow's file system
+        return f"TensorBoard event files in {logdir}: view with `tensorboard --logdir {logdir}`"
+    return (
+        f"TensorBoard event files in {logdir}: view with `make tensorboard TB={workdir}` "
+        f"(or `tensorboard --logdir {logdir}`), then open http://localhost:6006"
+    )
+
+
 class MetricWriter:
     """Writes scalars to <workdir>/tb (process 0 only).
 
@@ -32,6 +43,7 @@ class MetricWriter:
             fs.makedirs(logdir)
             flush_secs = 120 if self.flush_each else self.REMOTE_FLUSH_SECONDS
             self.writer = SummaryWriter(logdir, flush_secs=flush_secs)
+            log.info("curves: %s", view_command(logdir))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:
