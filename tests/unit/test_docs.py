@@ -334,3 +334,19 @@ def test_the_glossary_names_only_metrics_the_code_gives():
         defined |= set(re.findall(r"`([^`]+)`", bullet.split("(")[0]))
     stale = sorted(defined - logged_metric_names())
     assert not stale, f"docs/glossary.md defines metrics the code no longer gives: {stale}"
+
+
+SUMMARY = ("Asked", "Ran", "Found", "Command", "When")
+
+
+@pytest.mark.parametrize("page", STUDIES)
+def test_a_study_starts_with_its_summary(page):
+    """A study's README opens, under its title, with five lines: what was asked, what was run,
+    what was found (with its figure), the command and the date or commit."""
+    lines = _read(page).splitlines()
+    got = [re.match(r"- \*\*(\w+):\*\* \S", line) for line in lines[2:7]]
+    labels = tuple(m.group(1) if m else None for m in got)
+    assert lines[0].startswith("# ") and labels == SUMMARY, (
+        f"{page}: starts with its title, a blank line and the bullets "
+        + ", ".join(f"- **{s}:** ..." for s in SUMMARY)
+    )
