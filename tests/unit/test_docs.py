@@ -350,3 +350,11 @@ def test_a_study_starts_with_its_summary(page):
         f"{page}: starts with its title, a blank line and the bullets "
         + ", ".join(f"- **{s}:** ..." for s in SUMMARY)
     )
+
+
+def test_testing_page_names_test_files_that_exist():
+    """docs/testing.md names test files relative to tests/ (`integration/test_plan.py`)."""
+    text = _read("docs/testing.md")
+    named = set(re.findall(r"`((?:unit|integration|system|experiments)/[\w/]+\.py)", text))
+    missing = sorted(p for p in named if not os.path.exists(os.path.join(REPO, "tests", p)))
+    assert named and not missing, f"docs/testing.md names test files that do not exist: {missing}"
