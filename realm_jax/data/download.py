@@ -81,7 +81,12 @@ def _fetch(url: str, tmp: str) -> None:
         with (
             open(tmp, "wb") as f,
             tqdm(
-                total=total, unit="B", unit_scale=True, desc=f"downloading {name}", leave=False
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=f"downloading {name}",
+                leave=False,
+                disable=None,  # a terminal only: no carriage returns in a log file
             ) as bar,
         ):
             while True:

@@ -30,7 +30,9 @@ from realm_jax.interop import block_records, realm_records
 @contextlib.contextmanager
 def _progress(**kwargs):
     """A tqdm bar that is erased when the body raises, so the error is printed on a line of
-    its own (not after a half-drawn bar)."""
+    its own (not after a half-drawn bar). Drawn on a terminal only: in a log file (stderr not a
+    tty) a bar is carriage returns and escape codes (tqdm's disable=None)."""
+    kwargs.setdefault("disable", None)
     bar = tqdm(**kwargs)
     try:
         yield bar

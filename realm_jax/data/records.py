@@ -42,6 +42,15 @@ class _Builder(tfds.core.GeneratorBasedBuilder):
     """Writes the records passed at construction, in order (no TFDS shuffling)."""
 
     VERSION = tfds.core.Version("1.0.0")
+
+    # TFDS prints "Downloading and preparing dataset ..." and "Dataset ... downloaded and
+    # prepared to ..." for every builder; these download nothing (prepare logs its own summary)
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
+
     FEATURES: dict = {}
 
     def __init__(self, *, records=(), **kwargs):
@@ -185,7 +194,14 @@ def block_record(b: corpus_lib.Block) -> dict:
 def write_dataset(cls, records, folder: str) -> None:
     """Write the records, in order, as dataset `cls` into folder (array_record, in process)."""
     builder = cls(records=records, data_dir=folder)
-    builder.download_and_prepare(
-        file_format="array_record", download_dir=os.path.join(folder, "downloads")
-    )
+    # TFDS's own output is about its downloads, which these in-process records have none of
+    # ("Downloading and preparing dataset Unknown size ...", "Generating splits...", a bar
+    # per split): its bars off while it writes (the builder's messages: _Builder)
+    tfds.disable_progress_bar()
+    try:
+        builder.download_and_prepare(
+            file_format="array_record", download_dir=os.path.join(folder, "downloads")
+        )
+    finally:
+        tfds.enable_progress_bar()
     shutil.rmtree(os.path.join(folder, "downloads"), ignore_errors=True)

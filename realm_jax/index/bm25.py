@@ -17,6 +17,7 @@ scores are the textbook ones divided by (k1 + 1) and the ranking is the same.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 
 import bm25s
@@ -26,8 +27,14 @@ import numpy as np
 # index built), after runtime.setup quieted it: its warnings and errors only
 logging.getLogger("bm25s").setLevel(logging.WARNING)
 
-# Show tqdm progress bars (tokenising, indexing, retrieving) only above this many items.
+# Show tqdm progress bars (tokenising, indexing, retrieving) only above this many items, and
+# only on a terminal (in a log file a bar is carriage returns and escape codes).
 PROGRESS_MIN_ITEMS = 1000
+
+
+def _show(n: int) -> bool:
+    return n > PROGRESS_MIN_ITEMS and sys.stderr.isatty()
+
 
 _TOKENIZE_KW = dict(lower=True, stopwords="en", stemmer=None)
 
@@ -36,7 +43,7 @@ def _tokenize(texts: Sequence[str], return_ids: bool):
     return bm25s.tokenize(
         list(texts),
         return_ids=return_ids,
-        show_progress=len(texts) > PROGRESS_MIN_ITEMS,
+        show_progress=_show(len(texts)),
         **_TOKENIZE_KW,
     )
 
@@ -55,7 +62,7 @@ class BM25Retriever:
         self.num_blocks = len(texts)
         self.k1 = k1
         self.b = b
-        show = self.num_blocks > PROGRESS_MIN_ITEMS
+        show = _show(self.num_blocks)
         self._bm25 = bm25s.BM25(k1=k1, b=b)
         self._bm25.index(_tokenize(texts, return_ids=True), show_progress=show)
 
@@ -90,7 +97,7 @@ class BM25Retriever:
             _tokenize(queries, return_ids=False),
             k=kk,
             sorted=True,
-            show_progress=q > PROGRESS_MIN_ITEMS,
+            show_progress=_show(q),
             n_threads=0,
             # Plain numpy top-k: the "auto" choice would dispatch every query to a JAX device.
             backend_selection="numpy",
