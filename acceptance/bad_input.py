@@ -265,6 +265,18 @@ CASES = (
         "--top_k must be at least 1, got 0",
     ),
     Case(
+        "ask_empty_question",
+        "`ask` with an empty question",
+        _with_data("ask", ""),
+        "question is empty: give some text",
+    ),
+    Case(
+        "ask_blank_question_qa",
+        "`ask` with a question of spaces (a QA config)",
+        _with_data("ask", *ORQA, "   "),
+        "question is empty (whitespace only): give some text",
+    ),
+    Case(
         "ask_no_question",
         "`ask` without a question",
         _with_data("ask"),
@@ -288,6 +300,12 @@ CASES = (
         "a reader beam wider than the retriever beam",
         _with_data("finetune", *ORQA, "--config.qa.reader_beam_size=40"),
         "qa.reader_beam_size (40) must be between 1 and qa.retriever_beam_size (16)",
+    ),
+    Case(
+        "evaluate_negative_limit",
+        "`evaluate --limit -1`",
+        _with_data("evaluate", *ORQA, "--limit", "-1"),
+        "--limit must be 0 (every question) or more, got -1",
     ),
     Case(
         "evaluate_before_finetune",
@@ -441,7 +459,7 @@ def table(results: list[Result], tmp: str) -> str:
     ]
     for r in results:
         args = [a.replace(DATA, "$TMP/sample/data").replace(RUN, "$TMP/run") for a in r.case.args]
-        command = "realm-jax " + " ".join(f'"{a}"' if " " in a else a for a in args)
+        command = "realm-jax " + " ".join(f'"{a}"' if " " in a or not a else a for a in args)
         message = r.lines[-1] if r.lines else "(no realm-jax line)"
         message = shown(message, tmp).replace(f"$TMP/runs/{r.case.name}", "$TMP/run")
         cells = [r.case.input, _code(command), _code(message), str(r.returncode)]

@@ -276,6 +276,8 @@ def evaluate(config, args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.limit < 0:
+        raise validation.InputError(f"--limit must be 0 (every question) or more, got {args.limit}")
     cpu0, wall0 = time.process_time(), time.perf_counter()
     bm25, gold = args.retriever == "bm25", args.retriever == "gold"
     alone = args.retrieval_only
