@@ -45,8 +45,11 @@ ENTRY = {
     "export": "realm_jax.interop.commands:export_command",
     "world": "realm_jax.data.world:command",
 }
-# commands that write a workdir's networks: its config is recorded there (api.RUN_CONFIG)
-RECORDS_CONFIG = ("train", "local", "ict", "finetune", "import")
+# commands that write a workdir's data or networks: its config is recorded there
+# (run_record.RUN_CONFIG = api.RUN_CONFIG), and every command on the workdir reads it back
+RECORDS_CONFIG = ("prepare", "train", "local", "ict", "finetune", "import")
+# commands whose --workdir is not a run's workdir: they read no record
+NO_RECORD = ("sweep", "world")
 TASK_COMMANDS = {
     "realm": {
         "train": "realm_jax.pretrain.commands:train_command",
@@ -91,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text, description=help_text)
         s.add_argument(
             "--config",
-            default=f"{default_config_path()}:smoke",
-            help="config file and variant, e.g. configs/realm.py:smoke",
+            default=None,
+            help="config file and variant, e.g. configs/realm.py:smoke (default: the one "
+            f"recorded in the workdir's run_config.json, else {default_config_path()}:smoke)",
         )
         if name == "plan":
             s.add_argument(
@@ -390,14 +394,53 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
 
 
+def _resolve_config(args, overrides: list[str]):
+    """The config this command runs with: --config and the command line's overrides on top of
+    the workdir's record (run_record.resolve), with one line saying what it took and changed.
+    Sets args.config (the spec run) and args.overrides (every override, in order)."""
+    from realm_jax import run_record
+    from realm_jax.config import default_config_path, load_config
+
+    if args.command in NO_RECORD or not getattr(args, "workdir", ""):
+        args.config = args.config or f"{default_config_path()}:smoke"
+        args.overrides = list(overrides)
+        return load_config(args.config, overrides)
+    got = run_record.resolve(args.command, args.workdir, args.config, overrides)
+    config = load_config(got.spec, got.overrides)
+    for note in got.notes:
+        print(f"realm-jax {args.command}: {note}", file=sys.stderr)
+    if got.from_record:
+        before = config
+        if overrides:
+            recorded = run_record.merged((run_record.read(args.workdir) or {})["overrides"], [])
+            before = load_config(got.spec, recorded)
+        line = run_record.describe(args.workdir, got, overrides, before, config)
+        print(f"realm-jax {args.command}: {line}", file=sys.stderr)
+    args.config, args.overrides = got.spec, got.overrides
+    return config
+
+
+def _is_process_0(args) -> bool:
+    if args.multihost:
+        import jax
+
+        return jax.process_index() == 0
+    return int(args.process_id) == 0
+
+
 def _run(args, overrides: list[str]) -> int:
-    from realm_jax.config import load_config, validate
+    from realm_jax.config import validate
 
     if args.command == "sweep":  # its points run as other commands, in subprocesses
+        from realm_jax.config import default_config_path
         from realm_jax.sweep.commands import command
 
+        args.config = args.config or f"{default_config_path()}:smoke"
         return command(args, overrides)
-    config = load_config(args.config, overrides)
+    config = _resolve_config(args, overrides)
+    from realm_jax.interop import sentence_embedder
+
+    sentence_embedder.resolve(config, getattr(args, "overrides", overrides))  # its fields
     validate(config)  # every value, before any work
     from realm_jax import fs
 
@@ -412,6 +455,15 @@ def _run(args, overrides: list[str]) -> int:
     mips.set_default_chunk(int(config.mesh.get("mips_chunk", mips.DEFAULT_CHUNK)))
     from realm_jax.train.loop import TrainingStopped
 
+    records = args.command in RECORDS_CONFIG and _is_process_0(args)
+    if records:  # before any work, so that a crash leaves it (unfinished: run_record.settled),
+        # but never over the record of a trainer that holds the workdir (this one is refused)
+        from realm_jax import run_record
+        from realm_jax.lock import held_elsewhere
+
+        records = args.command not in WATCHED or not held_elsewhere(args.workdir, "trainer")
+    if records:
+        run_record.write(args.workdir, args.config, args.overrides, args.command, False)
     if args.command in WATCHED:  # from start-up to shut-down (watchdog.for_process)
         from realm_jax import watchdog
 
@@ -424,13 +476,8 @@ def _run(args, overrides: list[str]) -> int:
     finally:
         if args.command in WATCHED:
             watchdog.release()
-    if rc == 0 and args.command in RECORDS_CONFIG:  # what realm_jax.load(workdir) reads back
-        import jax
-
-        from realm_jax import api
-
-        if jax.process_index() == 0:  # written once the command has done its work
-            api.record_run_config(args.workdir, args.config, overrides)
+    if rc == 0 and records:  # what realm_jax.load(workdir) and the next command read back
+        run_record.write(args.workdir, args.config, args.overrides, args.command, True)
     return rc
 
 

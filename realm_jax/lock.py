@@ -113,6 +113,28 @@ def workdir_lock(workdir: str, role: str, enabled: bool = True) -> Iterator[None
         os.close(fd)
 
 
+def held_elsewhere(workdir: str, role: str) -> bool:
+    """Whether another process holds `role`'s lock on a local workdir right now (a probe: a
+    shared flock, released at once, refused while a holder has its exclusive one). False on
+    an object store (its leases are read by their holders only) and when no lock file exists."""
+    if role not in ROLES:
+        raise ValueError(f"unknown lock role {role!r}; expected one of {ROLES}")
+    if fs.is_remote(workdir):
+        return False
+    try:
+        fd = os.open(paths.lock_path(workdir, role), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------- object-store leases
 
 

@@ -53,6 +53,35 @@ def is_eval(key: str, fraction: float, seed: int) -> bool:
     return h / 2**64 < fraction
 
 
+def fraction_for_one(keys, seed: int) -> float:
+    """The smallest data.eval_fraction (2 decimals, rounded up) that holds out at least one
+    of `keys` (titles or doc ids) under is_eval's hash split; 0 when there are none."""
+    hashes = [
+        int.from_bytes(hashlib.sha256(f"{seed}:{k}".encode()).digest()[:8], "big") / 2**64
+        for k in set(keys)
+    ]
+    if not hashes:
+        return 0.0
+    return min(0.99, (int(min(hashes) * 100) + 1) / 100)
+
+
+NO_HELD_OUT = "no_held_out"  # summary key: why a prepare with eval_fraction > 0 held out none
+
+
+def has_held_out(data_dir: str, what: str) -> bool:
+    """Whether the prepared data has held-out examples; when not, one warning line saying why
+    and what to prepare instead, and `what` (a run's held-out evaluation) is skipped. Called
+    before any checkpoint is written."""
+    s = load_summary(data_dir)
+    if s["counts"].get("eval_examples"):
+        return True
+    why = s.get(NO_HELD_OUT) or (
+        f"data.eval_fraction={s.get('config', {}).get('eval_fraction')} held out none"
+    )
+    log.warning("%s has no held-out examples: %s is off for this run (%s)", data_dir, what, why)
+    return False
+
+
 def read_summary(data_dir: str) -> dict | None:
     try:
         return json.loads(fs.read_bytes(fs.join(data_dir, SUMMARY)))

@@ -51,6 +51,7 @@ from realm_jax.data import download, local_prepare, records, squad_json
 from realm_jax.data.datasets import (
     DATASETS,
     FORMAT_VERSION,
+    NO_HELD_OUT,
     SUMMARY,
     PrepareError,
     read_summary,
@@ -337,9 +338,53 @@ def prepare(
         "counts": dict(stats),
         "elapsed_s": round(time.time() - start, 2),
     }
+    if data.eval_fraction > 0 and not stats["eval_examples"] and engine == "local":
+        summary[NO_HELD_OUT] = _no_held_out(data, tmp)
     _publish(tmp, data_dir, summary)
     _print_summary(summary)
+    if summary.get(NO_HELD_OUT):
+        print(
+            f"realm-jax prepare: warning: no held-out examples: {summary[NO_HELD_OUT]}",
+            file=sys.stderr,
+        )
     return summary
+
+
+def _no_held_out(data, tmp: str) -> str:
+    """Why a small corpus got no held-out examples, and the eval_fraction that gives some."""
+    from realm_jax.data.datasets import fraction_for_one
+
+    src = _source_in(tmp)
+    recs = src.__getitems__(range(len(src))) if len(src) <= 200_000 else []
+    pairs = {(r["doc_id"].decode(), r["title"].decode()) for r in recs}
+    keys = {records.split_key(data, d, t) for d, t in pairs}
+    kind = "titles" if data.eval_split_key == "title" else "doc ids"
+    if len(keys) > 1:
+        then = (
+            f"; re-prepare with --overwrite --config.data.eval_fraction="
+            f"{fraction_for_one(keys, data.seed)} to hold out at least one"
+        )
+    else:  # one article: hold out documents instead
+        docs = {d for d, _ in pairs}
+        frac = max(data.eval_fraction, fraction_for_one(docs, data.seed))
+        then = (
+            "; re-prepare with --overwrite --config.data.eval_split_key=doc_id "
+            f"--config.data.eval_fraction={frac} to hold out documents"
+            if len(docs) > 1
+            else ""
+        )
+    return (
+        f"data.eval_fraction={data.eval_fraction} held out none of the corpus's {len(keys)} "
+        f"{kind} (each is held out with that probability), so runs on it have no held-out "
+        f"evaluation{then}"
+    )
+
+
+def _source_in(tmp: str):
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder_from_directory(os.path.join(tmp, "blocks", "realm_blocks", "1.0.0"))
+    return builder.as_data_source(split="train")
 
 
 # ------------------------------------------------------------------------------------ loaders

@@ -9,8 +9,8 @@ import jax
 
 from realm_jax import checkpoint
 from realm_jax.config import ConfigError
+from realm_jax.data import datasets, pipeline
 from realm_jax.data import ict as ict_data
-from realm_jax.data import pipeline
 from realm_jax.ict.evaluation import IctEvaluator
 from realm_jax.ict.step import compile_train_step, create_state
 from realm_jax.index import bm25_candidates
@@ -35,8 +35,12 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
     else:  # ORQA's: a sentence's own block (too few blocks: an error before checkpoints)
         loader = ict_data.train_loader(config, ddir, train_ids)
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
+    loop.drop_stale_start(mgr, loop.fingerprint(config, ddir))
     hook = None if mgr.all_steps() else params_hook(config, reader=False)
     model, optimizer, state, shardings = create_state(config, mesh, jax.random.key(tc.seed), hook)
+    evaluator = None  # built before checkpoint 0: what refuses the data refuses it first
+    if tc.eval_every > 0 and datasets.has_held_out(ddir, "held-out evaluation (train.eval_every)"):
+        evaluator = IctEvaluator(config, mesh, model, ddir, tokens)
     it = iter(loader)
     start, state = loop.init_or_resume(
         mgr,
@@ -47,7 +51,6 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
         fingerprint=loop.fingerprint(config, ddir),
     )
     step_fn = compile_train_step(config, mesh, model, optimizer, shardings)
-    evaluator = IctEvaluator(config, mesh, model, ddir, tokens) if tc.eval_every > 0 else None
     keys = tuple(f"recall@{k}" for k in config.ict.recall_ks)
     task = loop.Task(
         name="ict",

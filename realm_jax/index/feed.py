@@ -23,6 +23,7 @@ each index it embeds on disk for a resume between two refreshes)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -33,6 +34,7 @@ from jax.experimental import multihost_utils
 
 from realm_jax import fs, sharding
 from realm_jax import workdir as paths
+from realm_jax.config import ConfigError
 from realm_jax.index import retention, store
 from realm_jax.index.embedding import embed_blocks_fn, index_dtype, pad_index, slice_embed_fn
 from realm_jax.model.realm import RealmModel
@@ -40,6 +42,29 @@ from realm_jax.model.realm import RealmModel
 log = logging.getLogger("realm_jax.refresh")
 
 MODES = ("external", "inprocess", "amortized")
+
+
+class NoRefreshJob(ConfigError):
+    """`train` with refresh.mode=external and no refresh job: nothing would ever publish."""
+
+    def __init__(self, index_dir: str, grace: float):
+        workdir = os.path.dirname(index_dir.rstrip("/"))
+        super().__init__(
+            f"no refresh job for {workdir}: refresh.mode=external and in {grace:.0f} s none "
+            "published an index, reported progress or held the workdir's refresher lock. "
+            f"Start one beside `train` (python -m realm_jax refresh --workdir {workdir}), run "
+            f"trainer and refresh job together (python -m realm_jax local --workdir {workdir}), "
+            "or refresh in this process (--config.refresh.mode=inprocess). Nothing is lost: the "
+            "next run resumes from checkpoint 0"
+        )
+
+
+def refresh_job_running(index_dir: str) -> bool:
+    """Whether a refresh job holds the workdir's refresher lock (a local workdir; on an object
+    store its progress reports are the sign)."""
+    from realm_jax.lock import held_elsewhere
+
+    return held_elsewhere(os.path.dirname(index_dir.rstrip("/")), "refresher")
 
 
 class IndexFeed:
@@ -189,8 +214,12 @@ class IndexFeed:
     def lockstep(self) -> bool:
         return self.mode == "external" and bool(self.config.refresh.get("lockstep", False))
 
-    def start(self, params, step: int, health=None) -> None:
-        """Get the index for `step` (the initial parameters at step 0, or a resume point)."""
+    def start(self, params, step: int, health=None, no_job_grace: float = 0.0) -> None:
+        """Get the index for `step` (the initial parameters at step 0, or a resume point).
+
+        no_job_grace (external mode, `train` alone): when no index is published and no refresh
+        job shows a sign of life (progress reported, or its lock held) within this many
+        seconds, raise NoRefreshJob at once rather than wait refresh.wait_seconds."""
         if self.mode == "inprocess" and step % self.config.refresh.every:
             # A resume between two refreshes: the uninterrupted run was reading the index
             # re-embedded at the last multiple of refresh.every, which reembed kept on disk
@@ -218,8 +247,10 @@ class IndexFeed:
             return
         found = self._agreed_newest(-1)
         wait = self.config.refresh.wait_seconds
+        grace = min(float(no_job_grace), wait) if no_job_grace else 0.0
         t0 = last_sign = next_log = time.time()
         heard = None  # the progress last logged
+        seen = not grace  # a sign of a refresh job (only looked for with a grace)
         while found is None or not self._load_published(*found):
             # give up after wait_seconds with neither an index nor progress from the refresh
             # job, which reports after every part of the corpus (a first pass over 13M blocks
@@ -228,7 +259,16 @@ class IndexFeed:
             progress = store.read_progress(self.dir) if jax.process_index() == 0 else None
             if progress is not None and progress["updated"] > t0 - wait:
                 last_sign = max(last_sign, min(progress["updated"], now))
-            if _process_0s(int(now - last_sign > wait)):
+            if not seen and jax.process_index() == 0:
+                seen = progress is not None and progress["updated"] > t0 - wait
+                seen = seen or refresh_job_running(self.dir)
+            verdict = 1 if now - last_sign > wait else 0
+            if not seen and now - t0 > grace:
+                verdict = 2
+            verdict = _process_0s(verdict)
+            if verdict == 2:
+                raise NoRefreshJob(self.dir, grace)
+            if verdict:
                 raise TimeoutError(
                     f"no valid index in {self.dir} and no progress from a refresh job for "
                     f"{wait:.0f}s: start the refresh job (`realm-jax refresh`), use `realm-jax "

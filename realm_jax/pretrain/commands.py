@@ -38,6 +38,7 @@ def _train(
     workdir: str,
     stop_event: threading.Event | None = None,
     health: Callable[[], None] | None = None,
+    no_job_grace: float = 0.0,
 ) -> list[dict]:
     """Pre-train REALM; resumable. Returns the metrics logged by this run (one dict per log).
 
@@ -81,7 +82,7 @@ def _train(
         extra=extra,
     )
     eval_batches = None
-    if tc.eval_every > 0:
+    if tc.eval_every > 0 and datasets.has_held_out(ddir, "held-out evaluation (train.eval_every)"):
         eval_batches = pipeline.eval_batches(
             config, ddir, batch_size=tc.eval_batch_size, max_examples=tc.eval_examples
         )
@@ -101,7 +102,7 @@ def _train(
     )
     export = _embedder_export(config, workdir, start)  # before a stale export is read
     feed = IndexFeed(config, workdir, mesh, model, tokens)
-    feed.start(state.params, start, health)
+    feed.start(state.params, start, health, no_job_grace)
     step_fn = pretrain_step.compile_train_step(
         config, mesh, model, optimizer, shardings, feed.num_blocks
     )
@@ -222,15 +223,24 @@ EVAL_CONSOLE_KEYS = (
 
 
 def train_command(config, args) -> int:
-    """`realm-jax train` with a REALM config: the trainer alone (pair it with `refresh`)."""
-    train(config, args.workdir)
+    """`realm-jax train` with a REALM config: the trainer alone (pair it with `refresh`, or
+    refresh in process). With refresh.mode=external and no refresh job in sight within
+    NO_JOB_GRACE_S (at most refresh.wait_seconds), one error line (exit 2), not a long wait."""
+    train(config, args.workdir, no_job_grace=NO_JOB_GRACE_S)
     return 0
 
 
+NO_JOB_GRACE_S = 60.0  # `train`: how long a first index may come without a refresh job seen
+
+
 def _passthrough_args(args) -> list[str]:
+    """The refresh child's command line: the parent's config, every override (the workdir's
+    recorded ones included: cli sets args.overrides), so both run the same config."""
     out = ["--config", args.config, "--workdir", args.workdir]
-    out += [a for a in sys.argv[1:] if a.startswith("--config.")]
-    return out
+    given = getattr(args, "overrides", None)
+    if given is None:
+        return out + [a for a in sys.argv[1:] if a.startswith("--config.")]
+    return out + [f"--config.{o}" for o in given]
 
 
 def local(config, args) -> int:

@@ -43,17 +43,40 @@ def load_questions(path: str, fmt: str, holdout: str, data_dir: str) -> list[QAE
     examples = read_questions(path, fmt)
     if holdout == "none":
         return examples
+    key = "qa.train_holdout" if holdout == "train" else "qa.dev_holdout"
     untitled = [e.source for e in examples if not e.title]
+    if untitled and len(untitled) == len(examples):  # NQ-open and the like: no article
+        log.warning(
+            "%s: its %d questions name no article (no 'title': NQ-open style), so %s=%s "
+            "cannot split them by held-out article: every question is used%s",
+            path,
+            len(examples),
+            key,
+            holdout,
+            " (the dev figures are on training questions where qa.train_file is this file "
+            "too; give a separate qa.dev_file to measure held-out questions)"
+            if holdout == "heldout"
+            else "",
+        )
+        return examples
     if untitled:
         raise ValueError(
-            f"{untitled[0]}: no title, so the question cannot be split by article; give "
-            "SQuAD-style JSONL with a 'title' field or set the holdout to 'none'"
+            f"{untitled[0]}: no title, so the question cannot be split by article ({key}="
+            f"{holdout}) while others of {path} have one: give every question a 'title', or "
+            "use them all with --config.qa.train_holdout=none --config.qa.dev_holdout=none"
         )
     is_held = held_out_titles(data_dir)
     want = holdout == "heldout"
     kept = [e for e in examples if is_held(e.title) == want]
     if not kept:
-        raise ValueError(f"{path}: no question left for the {holdout!r} split")
+        built = datasets.load_summary(data_dir)["config"]
+        which = "a held-out" if want else "a training (not held-out)"
+        raise ValueError(
+            f"{path}: none of its {len(examples)} questions is about {which} article of "
+            f"{data_dir} (prepared with data.eval_fraction={built['eval_fraction']}), so "
+            f"{key}={holdout} leaves none: use them all with --config.{key}=none, or "
+            "re-prepare with a data.eval_fraction that holds out their articles"
+        )
     return kept
 
 

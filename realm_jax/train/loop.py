@@ -127,6 +127,25 @@ def setup(config, workdir: str):
     return mesh, ddir, datasets.load_blocks(ddir)
 
 
+def drop_stale_start(mgr, fingerprint: dict) -> None:
+    """A workdir whose only checkpoint is step 0 (a first run that failed before its first
+    step) written with another config or other data: that checkpoint (the initial state,
+    nothing trained) is moved aside (checkpoint.set_aside) so the rerun starts afresh rather
+    than being refused. Call before the warm start is decided (it reads mgr.all_steps())."""
+    if list(mgr.all_steps()) != [0]:
+        return
+    try:
+        checkpoint.check_fingerprint(mgr, 0, fingerprint, warn=False)
+    except checkpoint.CheckpointMismatch as e:
+        log.warning(
+            "checkpoint 0 is the initial state of a run that stopped before its first step, "
+            "written with another config or other data (%s): moving it aside and starting "
+            "afresh",
+            str(e).split(": ", 1)[-1].split(". Revert")[0],
+        )
+        checkpoint.set_aside(mgr, [0])
+
+
 def init_or_resume(mgr, state, shardings, it, data_args, *, fingerprint=None):
     """(start step, state): resume from the newest restorable checkpoint (weights, optimizer
     and data iterator), else keep the given (scratch or warm-started) state and save it as
