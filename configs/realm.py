@@ -61,6 +61,17 @@ def _model(bert: dict, **kw) -> ml_collections.ConfigDict:
     m.init_reader_from = ""  # HF folder (RealmKnowledgeAugEncoder / BertForMaskedLM)
     m.init_embedders_from_ict = ""  # ICT workdir (its newest checkpoint) or checkpoint folder
     m.init_from_realm = ""  # REALM workdir: all three networks from its newest checkpoint
+    # A sentence-embedding model as the retriever's start (docs/reference.md "A sentence
+    # embedder as the retriever"): a folder or hub id, e.g. sentence-transformers/
+    # all-MiniLM-L6-v2, BAAI/bge-small-en-v1.5, intfloat/e5-small-v2. At config load it sets
+    # model.embedder.* (its architecture), proj_size (= its width), and the five fields below
+    # from the model's files and card; its BERT weights start both embedders.
+    m.init_retriever_from = ""  # sentence-transformers folder or hub id for both embedders
+    m.embedder_pooling = "realm"  # realm (pooler + projection + LayerNorm), mean or cls
+    m.embedder_normalize = False  # L2-normalise the embeddings (cosine scores)
+    m.query_prefix = ""  # text before every query, e.g. e5's "query: "
+    m.doc_prefix = ""  # text before every block, e.g. e5's "passage: "
+    m.retrieval_scale = 1.0  # retrieval score = scale x <q, d> (1: the release's inner product)
     # with init_from_realm: its span head too (a fine-tuning workdir's, e.g. a reading phase's;
     # pre-training never trains the span head, so by default it starts afresh, as in ORQA)
     m.init_span_head_from_realm = False  # init_from_realm brings its span head too

@@ -91,6 +91,7 @@ def load(
     newest), latest, or a step number the workdir holds. Loads on any host, whatever mesh the
     workdir was trained on (sharding.inference_mesh)."""
     from realm_jax.config import load_config, validate
+    from realm_jax.interop import sentence_embedder
 
     checkpoint = validation.checkpoint(checkpoint)  # before any file is read
     if not fs.isdir(workdir):
@@ -102,6 +103,7 @@ def load(
         config, recorded, ran_in = _run_config(workdir)
         overrides = [*recorded, *overrides]
     cfg = load_config(config, list(overrides))
+    sentence_embedder.resolve(cfg, overrides)  # model.init_retriever_from's fields
     d = cfg.data.data_dir
     if d and ran_in and not fs.is_remote(d) and not os.path.isabs(d) and not os.path.isdir(d):
         with cfg.unlocked():  # a relative data_dir of a run started elsewhere: from there
@@ -133,6 +135,7 @@ def _load_export(path: str, config: str | None, overrides: list[str]) -> Model:
 
     from realm_jax.config import load_config, validate
     from realm_jax.interop import commands as interop
+    from realm_jax.interop import sentence_embedder
 
     if config is None:
         raise ValueError(
@@ -140,6 +143,7 @@ def _load_export(path: str, config: str | None, overrides: list[str]) -> Model:
             "was exported with) and overrides=['data.data_dir=<the prepared corpus>']"
         )
     cfg = load_config(config, overrides)
+    sentence_embedder.resolve(cfg, overrides)
     validate(cfg)
     if fs.isfile(fs.join(path, "openqa", "config.json")):
         sources = [fs.join(path, "openqa")]
@@ -254,7 +258,9 @@ class Model:
 
     def embed_queries(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         """[len(texts), proj_size] float32: the query embedder's vectors (what retrieval
-        scores against the index by inner product)."""
+        scores against the index by inner product; times model.retrieval_scale, which a
+        sentence embedder's start sets, e.g. 20 for all-MiniLM-L6-v2: divide by it for the
+        model's own unit vectors)."""
         from realm_jax.tokenization import encode_query
 
         texts = validation.texts(texts, "text")

@@ -44,8 +44,8 @@ def state_parts(config):
     """(model, optimizer, init_params(rng) -> boxed params) of the two embedders."""
     ecfg = ModelConfig.from_config(config.model, "embedder")
     d = config.data
-    check_fits("data.query_len", d.query_len, ecfg, "embedder")
-    check_fits("data.block_len", d.block_len, ecfg, "embedder")
+    check_fits("data.query_len", d.query_len, ecfg, "embedder", "query")
+    check_fits("data.block_len", d.block_len, ecfg, "embedder", "doc")
     model = RetrieverModel(ecfg)
     q, b = dummy_input(d.query_len), dummy_input(d.block_len)
     return model, make_optimizer(config.train), lambda r: model.init(r, q, b)["params"]

@@ -113,6 +113,13 @@ def _mlm_tensors(word: np.ndarray, mlm: dict | None, cfg: ModelConfig) -> dict[s
 
 def embedder_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """An Embedder's params -> RealmEmbedder tensors."""
+    if cfg.embedder_pooling != "realm":
+        raise ExportError(
+            f"the embedders pool with {cfg.embedder_pooling!r} (model.embedder_pooling, a "
+            "sentence embedder's start: model.init_retriever_from), which HuggingFace's "
+            "RealmEmbedder cannot express (it embeds with a pooler and a projection): such "
+            "embedders are not exported"
+        )
     if "projection" not in params:
         raise ExportError("the embedder has no retrieval projection")
     out = bert_tensors(params["bert"], cfg)

@@ -359,7 +359,12 @@ def _embedder(t: _Tensors, fields: dict) -> dict:
     if t.has("cls.dense.weight"):
         params["projection"] = t.linear("cls.dense")
         params["projection_LayerNorm"] = t.layer_norm("cls.LayerNorm")
-    ignored = [n for n in t.unused() if not n.startswith("cls.predictions.")]
+    # (embeddings.position_ids: a constant buffer older transformers saved, not a weight)
+    ignored = [
+        n
+        for n in t.unused()
+        if not n.startswith("cls.predictions.") and not n.endswith("embeddings.position_ids")
+    ]
     if t.root == "":
         ignored = [n for n in ignored if not n.startswith(("qa_outputs.", "cls.predictions."))]
     if ignored:

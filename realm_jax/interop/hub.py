@@ -4,7 +4,9 @@ from huggingface_hub; HF_HOME / HF_HUB_CACHE move the cache, HF_HUB_OFFLINE=1 re
 
 What comes down is what realm-jax reads and nothing else: config.json, vocab.txt and the
 weights, safetensors when the repository has them, else pytorch_model.bin (read through
-safe_pickle, never run as code). TensorFlow and Flax weights are not fetched.
+safe_pickle, never run as code), and a sentence-transformers model's small JSON files (its
+modules, pooling and prompts: model.init_retriever_from). TensorFlow and Flax weights are not
+fetched.
 
 A name is taken as a hub id only when it is not an existing local path nor a URL, and has the
 hub's shape (`name` or `owner/name`); so a folder always wins, and a missing folder whose path
@@ -24,10 +26,13 @@ log = logging.getLogger(__name__)
 
 # the hub's repository ids: an optional owner, then a name; letters, digits, '-', '_', '.'
 _ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# a sentence-transformers model's description (interop/sentence_embedder.py)
+SENTENCE_FILES = ["modules.json", "config_sentence_transformers.json",
+                  "sentence_bert_config.json", "1_Pooling/config.json"]  # fmt: skip
 SAFETENSORS = ["config.json", "vocab.txt", "model.safetensors", "model.safetensors.index.json",
-               "model-*.safetensors"]  # fmt: skip
+               "model-*.safetensors", *SENTENCE_FILES]  # fmt: skip
 PICKLE = ["config.json", "vocab.txt", "pytorch_model.bin", "pytorch_model.bin.index.json",
-          "pytorch_model-*.bin"]  # fmt: skip
+          "pytorch_model-*.bin", *SENTENCE_FILES]  # fmt: skip
 
 
 class HubError(ValueError):
@@ -113,6 +118,8 @@ def seed(folder: str, repo_id: str, cache_dir: str | None = None, revision: str 
     from huggingface_hub import constants
 
     names = [n for n in sorted(os.listdir(folder)) if n in _SEEDED or n.endswith(".safetensors")]
+    names += [n for n in SENTENCE_FILES if os.path.isfile(os.path.join(folder, n))]
+    names = list(dict.fromkeys(names))
     if "config.json" not in names:
         raise HubError(f"{folder}: no config.json: not a model folder")
     h = hashlib.sha1(repo_id.encode())
@@ -125,6 +132,7 @@ def seed(folder: str, repo_id: str, cache_dir: str | None = None, revision: str 
     snap = os.path.join(root, "snapshots", commit)
     os.makedirs(snap, exist_ok=True)
     for n in names:
+        os.makedirs(os.path.dirname(os.path.join(snap, n)), exist_ok=True)
         shutil.copyfile(os.path.join(folder, n), os.path.join(snap, n))
     os.makedirs(os.path.join(root, "refs"), exist_ok=True)
     with open(os.path.join(root, "refs", revision), "w") as f:

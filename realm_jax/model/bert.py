@@ -25,8 +25,21 @@ _NOT_ARCHITECTURE = (
     "init_reader_from",
     "init_embedders_from_ict",
     "init_from_realm",
+    "init_retriever_from",
     "init_span_head_from_realm",
 )
+
+
+EMBEDDER_POOLINGS = ("realm", "mean", "cls")
+
+
+@functools.lru_cache(maxsize=16)
+def _wordpiece_ids(text: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    from realm_jax.tokenization import wordpieces
+
+    return tuple(wordpieces([text])[0].ids)
 
 
 class ModelConfigError(ValueError):
@@ -57,6 +70,14 @@ class ModelConfig:
     remat_policy: str = "nothing"
     dropout: float = 0.0
     proj_dropout: float = 0.0
+    # The embedders' output (model/realm.py Embedder): "realm" = the pooler's tanh over [CLS],
+    # dense(proj_size), LayerNorm (REALM's); "mean" = the masked mean of the last hidden states;
+    # "cls" = the last hidden state at [CLS] (no pooler, no projection: D = hidden_size).
+    embedder_pooling: str = "realm"
+    embedder_normalize: bool = False  # L2-normalise the embedding (a cosine retriever)
+    query_prefix: str = ""  # text put before every query (as its wordpieces, after [CLS])
+    doc_prefix: str = ""  # text put before every block
+    retrieval_scale: float = 1.0  # the retrieval score is retrieval_scale x <query, block>
 
     @classmethod
     def from_config(cls, model_config, part: str) -> ModelConfig:
@@ -71,12 +92,29 @@ class ModelConfig:
         if unknown:
             raise ModelConfigError(f"config.model: unknown field(s) {unknown}")
         cfg = cls(**values)
+        if cfg.embedder_pooling not in EMBEDDER_POOLINGS:
+            raise ModelConfigError(
+                f"config.model.embedder_pooling={cfg.embedder_pooling!r}: must be one of "
+                f"{', '.join(EMBEDDER_POOLINGS)}"
+            )
+        if part == "embedder" and cfg.embedder_pooling != "realm":
+            if cfg.proj_size != cfg.hidden_size:
+                raise ModelConfigError(
+                    f"config.model.embedder_pooling={cfg.embedder_pooling!r} embeds with the "
+                    f"hidden states (no projection): config.model.proj_size ({cfg.proj_size}) "
+                    f"must equal config.model.embedder.hidden_size ({cfg.hidden_size})"
+                )
         if cfg.hidden_size % cfg.num_heads:
             raise ModelConfigError(
                 f"config.model.{part}: hidden_size {cfg.hidden_size} is not divisible by "
                 f"num_heads {cfg.num_heads}"
             )
         return cfg
+
+    def prefix_ids(self, role: str) -> tuple[int, ...]:
+        """The wordpiece ids of query_prefix (role "query") or doc_prefix ("doc")."""
+        text = self.query_prefix if role == "query" else self.doc_prefix
+        return _wordpiece_ids(text)
 
     @property
     def compute_dtype(self):

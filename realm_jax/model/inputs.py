@@ -21,12 +21,16 @@ def init_inputs(lq: int, lb: int, lj: int):
     return t(lq), t(lb), t(lj), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, lj), jnp.int32)
 
 
-def check_fits(what: str, length: int, cfg, part: str) -> None:
+def check_fits(what: str, length: int, cfg, part: str, role: str | None = None) -> None:
     """An input of `length` must fit the network's position table: a clear error naming the
-    config fields, not an XLA shape error."""
-    if length > cfg.max_position_embeddings:
+    config fields, not an XLA shape error. An embedder's input (`role` "query" or "doc")
+    grows by its prefix's wordpieces (model.query_prefix / doc_prefix)."""
+    extra = len(cfg.prefix_ids(role)) if role else 0
+    if length + extra > cfg.max_position_embeddings:
+        field = {"query": "query_prefix", "doc": "doc_prefix"}.get(role or "")
+        plus = f" + {extra} wordpieces of model.{field}" if extra else ""
         raise ValueError(
-            f"{what} = {length} exceeds model.{part}.max_position_embeddings = "
+            f"{what} = {length}{plus} exceeds model.{part}.max_position_embeddings = "
             f"{cfg.max_position_embeddings}"
         )
 

@@ -16,23 +16,84 @@ Array = jax.Array
 
 
 class Embedder(nn.Module):
-    """REALM embedder: pooled [CLS] -> dense(proj_size) -> LayerNorm (-> dropout in training,
-    `proj_dropout`, as ORQA's ict_model.py: rate 0.1 after the projection's LayerNorm; the
-    REALM release embeds with that ICT module). Returns [B, proj]."""
+    """A retriever's embedder; `cfg.embedder_pooling` says how (model/bert.py ModelConfig):
+
+    - "realm": REALM's: pooled [CLS] -> dense(proj_size) -> LayerNorm (-> dropout in
+      training, `proj_dropout`, as ORQA's ict_model.py: rate 0.1 after the projection's
+      LayerNorm; the REALM release embeds with that ICT module).
+    - "mean" / "cls": a sentence embedder's (sentence-transformers' Pooling module): the mean
+      of the last hidden states over the unmasked positions, or the state at [CLS]; no pooler
+      and no projection (D = hidden_size). These encode a text as one segment, as
+      sentence-transformers does: the segment ids given (a block's title 0, body 1) are not
+      used.
+
+    Then with `cfg.embedder_normalize` the embedding is scaled to unit L2 norm. With a
+    prefix (`cfg.query_prefix` for role "query", `cfg.doc_prefix` for "doc") its wordpieces
+    are put after [CLS] (`insert_prefix`). Returns [B, D] float32."""
 
     cfg: ModelConfig
 
     def setup(self):
         c = self.cfg
-        self.bert = BertEncoder(c, add_pooler=True)
-        self.projection = dense(c.proj_size, ("embed", "proj"), c, "projection")
-        self.projection_LayerNorm = layer_norm(c, "projection_LayerNorm", axis_name="proj")
-        self.projection_dropout = Dropout(c.proj_dropout)
+        realm = c.embedder_pooling == "realm"
+        self.bert = BertEncoder(c, add_pooler=realm)
+        if realm:
+            self.projection = dense(c.proj_size, ("embed", "proj"), c, "projection")
+            self.projection_LayerNorm = layer_norm(c, "projection_LayerNorm", axis_name="proj")
+            self.projection_dropout = Dropout(c.proj_dropout)
 
-    def __call__(self, ids: Array, segment_ids: Array, mask: Array, train: bool = False) -> Array:
-        _, pooled = self.bert(ids, segment_ids, mask, train)
-        emb = self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
-        return self.projection_dropout(emb, deterministic=not train)
+    def __call__(
+        self, ids: Array, segment_ids: Array, mask: Array, train: bool = False, role: str = "query"
+    ) -> Array:
+        c = self.cfg
+        prefix = c.prefix_ids(role)
+        if prefix:
+            ids, segment_ids, mask = insert_prefix(ids, segment_ids, mask, prefix)
+        if c.embedder_pooling == "realm":
+            _, pooled = self.bert(ids, segment_ids, mask, train)
+            emb = self.projection_LayerNorm(self.projection(pooled)).astype(jnp.float32)
+            emb = self.projection_dropout(emb, deterministic=not train)
+        else:
+            h, _ = self.bert(ids, jnp.zeros_like(segment_ids), mask, train)
+            emb = sentence_pooling(h.astype(jnp.float32), mask, c.embedder_pooling)
+        if c.embedder_normalize:
+            emb = l2_normalize(emb)
+        return emb
+
+
+def insert_prefix(ids: Array, segment_ids: Array, mask: Array, prefix: tuple[int, ...]):
+    """[B, L] inputs -> [B, L + p]: the p prefix wordpieces put after each row's [CLS], as a
+    tokenizer would encode the prefix's text before the row's own. The window grows by p
+    instead of losing the row's last p tokens, so no text is cut and a row's [SEP]s stay
+    where its format puts them (the null document embedded at its own length stays equal to
+    it padded). The prefix takes segment 0 and is masked like the row's [CLS] (an all-padding
+    row stays all padding)."""
+    B, p = ids.shape[0], len(prefix)
+    pre = jnp.broadcast_to(jnp.asarray(prefix, ids.dtype), (B, p))
+    ids = jnp.concatenate([ids[:, :1], pre, ids[:, 1:]], axis=1)
+    segs = jnp.concatenate(
+        [segment_ids[:, :1], jnp.zeros((B, p), segment_ids.dtype), segment_ids[:, 1:]], axis=1
+    )
+    mask = jnp.concatenate(
+        [mask[:, :1], jnp.broadcast_to(mask[:, :1], (B, p)), mask[:, 1:]], axis=1
+    )
+    return ids, segs, mask
+
+
+def sentence_pooling(h: Array, mask: Array, mode: str) -> Array:
+    """h [B, L, H], mask [B, L] -> [B, H]: "mean" over the unmasked positions (their count
+    floored at 1e-9, as sentence-transformers' Pooling), "cls" the state at position 0."""
+    if mode == "cls":
+        return h[:, 0]
+    m = mask[..., None].astype(h.dtype)
+    return (h * m).sum(1) / jnp.maximum(m.sum(1), 1e-9)
+
+
+def l2_normalize(x: Array) -> Array:
+    """x / max(||x||, 1e-12) over the last axis (torch's F.normalize, which
+    sentence-transformers' Normalize module applies)."""
+    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    return x / jnp.maximum(norm, 1e-12)
 
 
 class MLMHead(nn.Module):
@@ -160,6 +221,14 @@ class Reader(nn.Module):
         )
 
 
+def scale_query(q: Array, cfg: ModelConfig) -> Array:
+    """The query embedding times `cfg.retrieval_scale`: every retrieval score (the search's,
+    the losses', the softmax over retrieved blocks) is then retrieval_scale x <query, block>,
+    and the search's ranking is unchanged. A sentence embedder trained with cosine scores and
+    a temperature gets its training scale this way (config.model.retrieval_scale)."""
+    return q if cfg.retrieval_scale == 1.0 else q * jnp.float32(cfg.retrieval_scale)
+
+
 class RealmModel(nn.Module):
     """The three REALM networks: query embedder, document embedder and reader. The embedders
     share one architecture (`embedder_cfg`), the reader has its own (`cfg`); they share the
@@ -193,10 +262,11 @@ class RealmModel(nn.Module):
         return self.query_embedder if self.ecfg.share_embedders else self.doc_embedder
 
     def embed_query(self, ids, segment_ids, mask, train: bool = False):
-        return self.query_embedder(ids, segment_ids, mask, train)
+        q = self.query_embedder(ids, segment_ids, mask, train, role="query")
+        return scale_query(q, self.ecfg)
 
     def embed_doc(self, ids, segment_ids, mask, train: bool = False):
-        return self._doc()(ids, segment_ids, mask, train)
+        return self._doc()(ids, segment_ids, mask, train, role="doc")
 
     def mlm_logits(self, ids, segment_ids, mask, positions, train: bool = False):
         return self.reader.mlm_logits(ids, segment_ids, mask, positions, train)
@@ -230,11 +300,12 @@ class RetrieverModel(nn.Module):
             self.doc_embedder = Embedder(self.cfg)
 
     def embed_query(self, ids, segment_ids, mask, train: bool = False):
-        return self.query_embedder(ids, segment_ids, mask, train)
+        q = self.query_embedder(ids, segment_ids, mask, train, role="query")
+        return scale_query(q, self.cfg)
 
     def embed_doc(self, ids, segment_ids, mask, train: bool = False):
         doc = self.query_embedder if self.cfg.share_embedders else self.doc_embedder
-        return doc(ids, segment_ids, mask, train)
+        return doc(ids, segment_ids, mask, train, role="doc")
 
     def __call__(self, query, block):
         """Touch both embedders once (for init). Each arg is an (ids, segs, mask) tuple."""

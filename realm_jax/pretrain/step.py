@@ -32,8 +32,8 @@ def check_lengths(config, model: RealmModel) -> None:
     d = config.data
     what = "reader input length data.query_len + data.block_len - 1"
     check_fits(what, joint_len(config), model.cfg, "reader")
-    check_fits("data.block_len", d.block_len, model.ecfg, "embedder")
-    check_fits("data.query_len", d.query_len, model.ecfg, "embedder")
+    check_fits("data.block_len", d.block_len, model.ecfg, "embedder", "doc")
+    check_fits("data.query_len", d.query_len, model.ecfg, "embedder", "query")
 
 
 def state_parts(config):

@@ -267,7 +267,7 @@ def check_config(config, model: RealmModel, num_blocks: int, mesh: Mesh) -> None
     if Lr < config.data.query_len + 3:
         raise ValueError(f"qa.reader_len = {Lr} leaves no room for a block after the question")
     check_fits("qa.reader_len", Lr, model.cfg, "reader")
-    check_fits("data.query_len", config.data.query_len, model.ecfg, "embedder")
+    check_fits("data.query_len", config.data.query_len, model.ecfg, "embedder", "query")
 
 
 def state_parts(config):

@@ -15,6 +15,7 @@ from realm_jax import config as config_lib
 from realm_jax import workdir as paths
 from realm_jax.index.embedding import abstract_params
 from realm_jax.interop import hf_import as weights
+from realm_jax.interop import sentence_embedder
 from realm_jax.model.bert import ModelConfig
 from realm_jax.model.inputs import dummy_input
 from realm_jax.model.realm import RetrieverModel, doc_embedder_name
@@ -27,8 +28,10 @@ def params_hook(config, reader: bool = True, span_head: bool = False):
     an ICT checkpoint for both embedders (None when nothing to import). Resuming a run
     restores its own weights instead (the loop calls this only for a fresh run)."""
     m = config.model
+    retriever = m.get("init_retriever_from", "")
     if not (
         m.init_embedder_from
+        or retriever
         or (reader and m.init_reader_from)
         or m.init_embedders_from_ict
         or (reader and m.init_from_realm)
@@ -49,12 +52,27 @@ def params_hook(config, reader: bool = True, span_head: bool = False):
     for path in (m.init_embedder_from, m.init_reader_from if reader else ""):
         if path:
             weights.check_folder(path)
+    # a later run's checkpoint replaces the sentence embedder's weights (same architecture)
+    later = m.init_embedders_from_ict or (reader and m.init_from_realm)
+    if retriever and not later:
+        weights.check_folder(retriever)
+    elif retriever:
+        log.info(
+            "model.init_retriever_from=%s: its architecture and retrieval fields; the weights "
+            "come from %s",
+            retriever,
+            "model.init_embedders_from_ict" if m.init_embedders_from_ict else "init_from_realm",
+        )
     if m.init_embedders_from_ict:
-        _read_only_manager(
+        mgr = _read_only_manager(
             m.init_embedders_from_ict, "model.init_embedders_from_ict", "`realm-jax ict`"
         )
+        check_retriever_matches(mgr, config, "model.init_embedders_from_ict")
     if reader and m.init_from_realm:
-        _read_only_manager(m.init_from_realm, "model.init_from_realm", "`realm-jax train` (REALM)")
+        mgr = _read_only_manager(
+            m.init_from_realm, "model.init_from_realm", "`realm-jax train` (REALM)"
+        )
+        check_retriever_matches(mgr, config, "model.init_from_realm")
         for field, path in (
             ("init_reader_from", m.init_reader_from),
             ("init_embedder_from", m.init_embedder_from),
@@ -74,6 +92,11 @@ def params_hook(config, reader: bool = True, span_head: bool = False):
         if reader and m.init_from_realm:  # first: the folders below may replace a network
             for name, loaded in realm_params(m.init_from_realm, config).items():
                 params[name] = weights.merge_params(params[name], loaded, name)
+        if retriever and not later:
+            loaded = sentence_embedder.bert_params(retriever, ecfg)
+            for name in {"query_embedder", doc_embedder_name(ecfg)}:
+                params[name] = weights.merge_params(params[name], loaded, name)
+            log.info("imported both embedders from the sentence embedder %s", retriever)
         if m.init_embedder_from:
             loaded, fields = weights.embedder_params(m.init_embedder_from)
             weights.check_fields(ecfg, fields, m.init_embedder_from, "config.model.embedder")
@@ -97,6 +120,50 @@ def params_hook(config, reader: bool = True, span_head: bool = False):
         return params
 
     return hook
+
+
+# config.model fields the embedders' weights must have been trained with (the checkpoint's
+# fingerprint, train/loop.py), with their values where an older fingerprint lacks them
+_RETRIEVER_DEFAULTS = {
+    "model.embedder_pooling": "realm",
+    "model.embedder_normalize": False,
+    "model.query_prefix": "",
+    "model.doc_prefix": "",
+    "model.retrieval_scale": 1.0,
+}
+_EMBEDDER_SHAPE = ("hidden_size", "num_layers", "num_heads", "intermediate_size",
+                   "max_position_embeddings", "type_vocab_size")  # fmt: skip
+
+
+def check_retriever_matches(mgr, config, field: str) -> None:
+    """A ConfigError naming each difference when the newest checkpoint of `mgr` (a warm start's
+    ICT or REALM run) trained its embedders with another architecture, pooling, normalisation,
+    prefixes or score scale than this run's config (e.g. an ICT run started from a sentence
+    embedder, model.init_retriever_from, and a REALM run not told so): its weights would be
+    read wrongly or not at all. A checkpoint without a fingerprint is not checked."""
+    saved = checkpoint.read_fingerprint(mgr, mgr.latest_step())
+    if not saved:
+        return
+    m = config.model
+    now = {f"model.embedder.{k}": m.embedder.get(k) for k in _EMBEDDER_SHAPE}
+    now["model.proj_size"] = m.proj_size
+    now.update({k: m.get(k.split(".", 1)[1], v) for k, v in _RETRIEVER_DEFAULTS.items()})
+    bad = []
+    for key, value in now.items():
+        theirs = saved.get(key, _RETRIEVER_DEFAULTS.get(key, value))
+        if theirs != value:
+            bad.append(f"{key}: that run {theirs!r}, this run {value!r}")
+    if bad:
+        hint = (
+            "give this run the model.init_retriever_from that run started from"
+            if saved.get("model.embedder_pooling", "realm") != "realm"
+            or m.get("embedder_pooling", "realm") != "realm"
+            else "give this run that run's model.embedder.* fields"
+        )
+        raise config_lib.ConfigError(
+            f"{field}={getattr(mgr, 'directory', '')}: its embedders do not match this run's "
+            f"config ({'; '.join(bad)}): {hint}"
+        )
 
 
 def realm_params(path: str, config) -> dict:
