@@ -209,7 +209,7 @@ def _more_evaluations(root, ddir, work, metrics, tmp_path):
 
     r = _cli(root, ddir, work, "ask", "What is materialism?")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.startswith("answer: ") and "(block " in r.stdout
+    assert r.stdout.startswith("answer: ") and re.search(r"^  \[.*\] block \d+: ", r.stdout, re.M)
     r = _cli(root, ddir, work, "ask", stdin="What is materialism?\nWho was Plato?\n\n")
     assert r.returncode == 0 and r.stdout.count("answer: ") == 2, r.stdout + r.stderr[-2000:]
     _python_api(root, ddir, work)

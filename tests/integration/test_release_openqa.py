@@ -275,7 +275,7 @@ def test_ask_prints_the_release_block_ids(release, rehearsed):
     question = readme_commands()[-1][-1]
     out = outputs["ask"]
     assert out.startswith("answer: "), out
-    shown = [(int(i), t) for t, i in re.findall(r"\] (.*) \(block (\d+)\)", out)]
+    shown = [(int(i), t) for i, t in re.findall(r"^  \[.*\] block (\d+): (.*)$", out, re.M)]
     want, _, _ = _brute_force(values, [question], 3)
     assert [i for i, _ in shown] == want[0].tolist(), out
     assert [t for _, t in shown] == [WRITTEN["titles"][i] for i in want[0]]
