@@ -39,17 +39,16 @@ def stages(root: str, corpus: str, questions: str) -> list[tuple[str, list[str]]
     return [
         ("prepare", ["prepare", "--config", "configs/realm.py:squad", "--workdir", realm, *c]),
         ("ict", ["ict", "--config", "configs/ict.py:squad", "--workdir", ict, *c]),
-        ("train (REALM)", ["train", "--config", "configs/realm.py:squad", "--workdir", realm, *c,
+        # train, evaluate and ask: the workdir's recorded config (README: no --config)
+        ("train (REALM)", ["train", "--workdir", realm,
                            f"--config.model.init_embedders_from_ict={ict}"]),
         ("finetune", ["finetune", "--config", "configs/orqa.py:squad", "--workdir", qa, *c, *q,
                       f"--config.model.init_from_realm={realm}"]),
         *[
-            (f"evaluate --retriever {r}", ["evaluate", "--config", "configs/orqa.py:squad",
-                                            "--workdir", qa, *c, *q, "--retriever", r])
+            (f"evaluate --retriever {r}", ["evaluate", "--workdir", qa, "--retriever", r])
             for r in ("dense", "bm25", "hybrid")
         ],
-        ("ask", ["ask", "--config", "configs/orqa.py:squad", "--workdir", qa, *c, *q,
-                 "Who founded the University of Notre Dame?"]),
+        ("ask", ["ask", "--workdir", qa, "Who founded the University of Notre Dame?"]),
     ]  # fmt: skip
 
 
@@ -98,6 +97,10 @@ ICT, REALM from ICT's embedders, ORQA fine-tuning, evaluation, `ask`) costs on t
 machine ({platform.machine()}, {os.cpu_count()} cores, CPU only), run as a user types it:
 
     python benchmarks/recipe_stages.py {" ".join(argv)}
+
+Each stage is the README's command: `train`, `evaluate` and `ask` name only the workdir, whose
+recorded config they start from (`run_config.json`,
+[reference](reference.md#a-workdir-remembers-its-config)).
 
 | stage | minutes | peak memory (MB) | exit |
 |---|---|---|---|

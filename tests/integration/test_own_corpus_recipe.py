@@ -231,6 +231,12 @@ def test_readme_recipe_verbatim(tmp_path):
         times[sub] = time.time() - t0
         assert r.returncode == 0, f"{line}\n{r.stderr[-4000:]}"
         assert "Traceback" not in r.stderr, r.stderr[-4000:]
+        if sub == "prepare":  # 3 articles at eval_fraction 0.05: none held out, said at once
+            assert "warning: no held-out examples" in r.stderr, r.stderr[-2000:]
+        if sub == "train":  # the recorded config, one line saying what this command changes
+            assert "this command changes model.init_embedders_from_ict" in r.stderr
+        if sub == "finetune":  # NQ-open questions: no article to split by, said once
+            assert "name no article" in r.stderr, r.stderr[-2000:]
         if sub == "evaluate":  # the user's questions, all of them (NQ-open: no article split)
             assert "my_questions.jsonl" in r.stdout + r.stderr, r.stdout[-2000:]
             found = [
