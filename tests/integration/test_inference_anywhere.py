@@ -23,7 +23,7 @@ from realm_jax.index import store
 from realm_jax.index.ask import one_line
 from realm_jax.index.embedding import abstract_params
 from tests.conftest import REPO
-from tests.support.runs import QA_OVERRIDES
+from tests.support.runs import QA_OVERRIDES, qa_config
 
 ORQA = os.path.join(REPO, "configs", "orqa.py") + ":smoke"
 QUESTIONS = ["What is materialism?", "Who was Plato?"]
@@ -148,6 +148,20 @@ def test_a_workdir_trained_on_a_2x2_mesh_answers_on_one_device(mesh_workdir):
         assert title == one_line(h.title, 80) and text == one_line(h.text)
     for noise in NOISE:
         assert noise not in out + err, (noise, err[-3000:])
+
+
+def test_prepare_prints_no_third_party_noise(qa_files, tmp_path, capfd):
+    """TFDS's builders download nothing here: no "Downloading and preparing dataset", no
+    progress bars of its splits; our own bars only on a terminal (not in a captured log)."""
+    from realm_jax.data import prepare
+
+    root, _ = qa_files
+    config = qa_config(root, str(tmp_path / "data"))
+    prepare.prepare(config, config.data.data_dir)
+    out, err = capfd.readouterr()
+    assert "prepared " in out, out + err
+    for noise in (*NOISE, "Generating splits", "Shuffling", "%|"):
+        assert noise not in out + err, (noise, out + err)
 
 
 # ------------------------------------------------------------------- the one validation
