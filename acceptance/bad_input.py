@@ -308,6 +308,12 @@ CASES = (
         "--limit must be 0 (every question) or more, got -1",
     ),
     Case(
+        "evaluate_unknown_checkpoint",
+        "`evaluate --checkpoint` naming no checkpoint",
+        _with_data("evaluate", *ORQA, "--checkpoint", "nope"),
+        "unknown checkpoint 'nope': give best, latest, initial or a step number",
+    ),
+    Case(
         "evaluate_before_finetune",
         "`evaluate` on a workdir never fine-tuned",
         _with_data("evaluate", *ORQA),

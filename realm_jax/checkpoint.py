@@ -396,7 +396,7 @@ def restore_params_subtree(mgr, step: int, name: str, abstract_subtree):
 
 
 def find_checkpoint(config, workdir: str, which="best"):
-    """(read-only manager, step, "best"/"latest"/"step") of the checkpoint `which` names in a
+    """(read-only manager, step, "best"/"latest"/"requested") of the checkpoint `which` names in a
     workdir, for answering with it: "best" (a fine-tuned workdir's kept best dev checkpoint,
     else the newest), "latest" (the newest in checkpoints/) or a step number held in
     checkpoints/ or best/ (validation.existing_step's error otherwise)."""
@@ -413,9 +413,9 @@ def find_checkpoint(config, workdir: str, which="best"):
     mgr = manager(workdir, with_data=False, read_only=True) if has_dir else None
     if isinstance(which, int):
         if mgr is not None and which in mgr.all_steps():
-            return mgr, which, "step"
+            return mgr, which, "requested"
         if best is not None and which in best.all_steps():
-            return best, which, "step"
+            return best, which, "requested"
         held = set(mgr.all_steps() if mgr else ()) | set(best.all_steps() if best else ())
         validation.existing_step(which, held, workdir)
     if mgr is None:

@@ -248,9 +248,9 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument(
                 "--checkpoint",
-                choices=("best", "latest", "initial"),
                 default="best",
-                help="the best dev checkpoint (kept by finetune), the newest, or initial: the "
+                help="best: the best dev checkpoint (kept by finetune), latest: the newest, a "
+                "step number the workdir holds, or initial: the "
                 "config's warm start (model.init_*: the query embedder and reader fine-tuning "
                 "starts from, no checkpoint needed) against the workdir's frozen index (embedded "
                 "and published first when the workdir has none); with --retrieval_only the "

@@ -76,21 +76,21 @@ def retriever(name, allowed: tuple[str, ...] = RETRIEVERS) -> str:
     return name
 
 
-def checkpoint(which) -> str | int:
-    """best, latest, or a step number (an int >= 0 or its digits): the name only; whether
-    that step exists is checked against the workdir (existing_step)."""
+def checkpoint(which, names: tuple[str, ...] = CHECKPOINT_NAMES) -> str | int:
+    """One of `names` (best, latest; `evaluate` adds initial) or a step number (an int >= 0 or
+    its digits): the name only; whether that step exists is checked against the workdir
+    (existing_step)."""
+    given = ", ".join(names)
     if isinstance(which, bool):
-        raise InputTypeError(f"checkpoint must be best, latest or a step number, got {which!r}")
+        raise InputTypeError(f"checkpoint must be {given} or a step number, got {which!r}")
     if isinstance(which, numbers.Integral) and which >= 0:
         return int(which)
     if isinstance(which, str):
-        if which in CHECKPOINT_NAMES:
+        if which in names:
             return which
         if which.strip().isdigit():
             return int(which.strip())
-    raise InputError(
-        f"unknown checkpoint {which!r}: give best, latest or a step number (an int >= 0)"
-    )
+    raise InputError(f"unknown checkpoint {which!r}: give {given} or a step number (an int >= 0)")
 
 
 def existing_step(step: int, steps, where: str) -> int:

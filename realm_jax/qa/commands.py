@@ -219,8 +219,7 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
     published from the same initial document embedder, or embedded and published here when
     the workdir has none yet (retrieval alone: the pre-trained retriever's zero-shot recall).
     model=False (BM25 retrieval alone): no checkpoint is read, params are None."""
-    if which != "initial":
-        which = validation.checkpoint(which)  # best, latest or a step number
+    which = validation.checkpoint(which, CHECKPOINTS)  # best, latest, initial or a step
     validation.retriever(retriever, RETRIEVERS)
     mesh = sharding.inference_mesh(config.mesh, batch_size=int(config.train.eval_batch_size))
     ddir = paths.data_dir(config, workdir)
@@ -276,6 +275,7 @@ def evaluate(config, args) -> int:
             file=sys.stderr,
         )
         return 2
+    args.checkpoint = validation.checkpoint(args.checkpoint, CHECKPOINTS)  # before any work
     if args.limit < 0:
         raise validation.InputError(f"--limit must be 0 (every question) or more, got {args.limit}")
     cpu0, wall0 = time.process_time(), time.perf_counter()
