@@ -158,20 +158,30 @@ def resolve(command: str, workdir: str, spec: str | None, given: list[str]) -> R
     return Resolved(rec_spec, merged(rec_over, given), [], True)
 
 
-def describe(workdir: str, resolved: Resolved, given: list[str], before, after) -> str | None:
-    """One line: the recorded config and what this command's overrides change in it."""
+def describe(
+    workdir: str, resolved: Resolved, given: list[str], before, after, explicit: bool = False
+) -> str | None:
+    """One line: the recorded config and what this command's overrides change in it; None
+    when the record adds nothing to the command line (the same command run again): its
+    config given or the default, every recorded override repeated, nothing changed."""
     if not resolved.from_record:
         return None
-    from realm_jax.config import _get
+    from realm_jax.config import _get, default_config_path
 
     record = read(workdir) or {}
-    n = len(record.get("overrides", []))
+    recorded = record.get("overrides", [])
+    n = len(recorded)
+    keys = {_key(g) for g in given}
+    added = [o for o in recorded if _key(o) not in keys]
+    default = normalize(f"{default_config_path()}:smoke")
     changes = []
     for item in given:
         key = _key(item)
         old, new = _get(before, key), _get(after, key)
         if old != new:
             changes.append(f"{key} {_fmt(old)} -> {_fmt(new)}")
+    if not changes and not added and (explicit or normalize(resolved.spec) == default):
+        return None
     said = f"; this command changes {', '.join(changes)}" if changes else ""
     s = "" if n == 1 else "s"
     return f"workdir {workdir}: config {shown(resolved.spec)} + {n} recorded override{s}{said}"

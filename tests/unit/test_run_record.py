@@ -119,3 +119,17 @@ def test_a_stale_checkpoint_0_is_set_aside_not_blocking(tmp_path):
         mgr.wait_until_finished()
     loop.drop_stale_start(mgr, {"datasets.fingerprint": "new"})  # trained: left to the resume
     assert list(mgr.all_steps()) == [0, 5]
+
+
+def test_the_same_command_again_says_nothing(tmp_path):
+    from realm_jax.config import load_config
+
+    w = str(tmp_path)
+    given = ["data.corpus=a.jsonl", "train.lr=1e-4"]
+    rr.write(w, REALM, given, "train", True)
+    got = rr.resolve("train", w, REALM, given)
+    cfg = load_config(got.spec, got.overrides)
+    assert rr.describe(w, got, given, cfg, cfg, explicit=True) is None
+    # without --config the recorded (non-default) config is worth a line
+    got = rr.resolve("train", w, None, given)
+    assert "configs/realm.py:squad + 2 recorded overrides" in rr.describe(w, got, given, cfg, cfg)
