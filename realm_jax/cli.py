@@ -414,8 +414,11 @@ def _resolve_config(args, overrides: list[str]):
         if overrides:
             recorded = run_record.merged((run_record.read(args.workdir) or {})["overrides"], [])
             before = load_config(got.spec, recorded)
-        line = run_record.describe(args.workdir, got, overrides, before, config)
-        print(f"realm-jax {args.command}: {line}", file=sys.stderr)
+        line = run_record.describe(
+            args.workdir, got, overrides, before, config, explicit=args.config is not None
+        )
+        if line:
+            print(f"realm-jax {args.command}: {line}", file=sys.stderr)
     args.config, args.overrides = got.spec, got.overrides
     return config
 
