@@ -155,7 +155,28 @@ def resolve(command: str, workdir: str, spec: str | None, given: list[str]) -> R
             f"{' '.join('--config.' + o for o in dropped)})"
         ] * bool(dropped)
         return Resolved(spec, list(given), notes, False)
+    rec_over = _from_recorded_cwd(rec_over, record.get("cwd", ""))
     return Resolved(rec_spec, merged(rec_over, given), [], True)
+
+
+# overrides naming a file or folder: a relative one recorded in another working directory is
+# read from there when it exists there and not here (a command run from elsewhere)
+PATH_KEYS = ("data.corpus", "data.sentences", "data.data_dir", "qa.train_file", "qa.dev_file")
+
+
+def _from_recorded_cwd(overrides: list[str], cwd: str) -> list[str]:
+    if not cwd or os.path.abspath(cwd) == os.getcwd():
+        return overrides
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        is_path = (_key(key) in PATH_KEYS or _key(key).startswith("model.init_")) and value
+        if is_path and "://" not in value and not os.path.isabs(value):
+            there = os.path.join(cwd, value)
+            if not os.path.exists(value) and os.path.exists(there):
+                item = f"{key}={there}"
+        out.append(item)
+    return out
 
 
 def describe(

@@ -133,3 +133,20 @@ def test_the_same_command_again_says_nothing(tmp_path):
     # without --config the recorded (non-default) config is worth a line
     got = rr.resolve("train", w, None, given)
     assert "configs/realm.py:squad + 2 recorded overrides" in rr.describe(w, got, given, cfg, cfg)
+
+
+def test_relative_paths_are_read_from_where_they_were_recorded(tmp_path, monkeypatch):
+    there, here = tmp_path / "there", tmp_path / "here"
+    (there / "runs" / "mine-data").mkdir(parents=True)
+    here.mkdir()
+    w = str(tmp_path / "work")
+    monkeypatch.chdir(there)
+    rr.write(w, REALM, ["data.data_dir=runs/mine-data", "train.lr=1e-4", "data.corpus=gone.jsonl"],
+             "prepare", True)  # fmt: skip
+    monkeypatch.chdir(here)
+    got = rr.resolve("train", w, None, [])
+    assert got.overrides == [
+        f"data.data_dir={there / 'runs' / 'mine-data'}",
+        "train.lr=1e-4",
+        "data.corpus=gone.jsonl",  # nowhere: left as recorded (its error names it)
+    ]
