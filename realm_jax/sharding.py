@@ -75,10 +75,10 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
 
 def inference_mesh(mesh_config, devices=None, batch_size: int = 0) -> Mesh:
     """The mesh to answer with (`ask`, `evaluate`, realm_jax.load): config.mesh when its shape
-    fits `devices` (default: the job's), else every axis 1 but 'data', which takes as many of
-    the devices as divide `batch_size` (all of them when 0), with one log line saying so. A
-    workdir trained on a pod's mesh loads on a laptop: its checkpoint is restored resharded to
-    this mesh's shardings (orbax restores to the target's shardings)."""
+    fits `devices` (default: the job's), else every axis 1 but 'data', which takes the most of
+    the devices that divides `batch_size` (all of them when 0, or in a multi-process job), with
+    one log line saying so. A workdir trained on a pod's mesh loads on a laptop: its checkpoint
+    is restored resharded to this mesh's shardings (orbax restores to the target's)."""
     devices = list(devices if devices is not None else jax.devices())
     try:
         resolve_mesh_shape(mesh_config.shape, len(devices))
@@ -89,8 +89,8 @@ def inference_mesh(mesh_config, devices=None, batch_size: int = 0) -> Mesh:
             raise
         reason = str(e)
     n = len(devices)
-    if batch_size > 0:
-        n = max(d for d in range(1, n + 1) if n % d == 0 and batch_size % d == 0)
+    if batch_size > 0 and jax.process_count() == 1:  # several processes: each keeps its own
+        n = max(d for d in range(1, n + 1) if batch_size % d == 0)
     shape = tuple(n if a == "data" else 1 for a in axes)
     log.info(
         "%s here: answering on mesh.shape %s (%s) of %d device(s), the checkpoint resharded",
