@@ -443,7 +443,9 @@ def _run(args, overrides: list[str]) -> int:
     config = _resolve_config(args, overrides)
     from realm_jax.interop import sentence_embedder
 
-    sentence_embedder.resolve(config, getattr(args, "overrides", overrides))  # its fields
+    note = sentence_embedder.resolve(config, getattr(args, "overrides", overrides))
+    if note:  # model.init_retriever_from's fields
+        print(f"realm-jax {args.command}: {note}", file=sys.stderr)
     validate(config)  # every value, before any work
     from realm_jax import fs
 

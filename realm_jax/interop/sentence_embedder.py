@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from realm_jax import config as config_lib
 from realm_jax import fs, tokenization
+from realm_jax import workdir as paths
 from realm_jax.interop import hf_import
 
 log = logging.getLogger(__name__)
@@ -243,15 +245,64 @@ def _set(config, key: str, value) -> None:
     node[parts[-1]] = value
 
 
-def resolve(config, overrides=()) -> None:
-    """Set config.model's retriever fields from model.init_retriever_from (nothing when it is
-    empty), in place; idempotent. `overrides`: the command line's ("a.b=value"); a derived
-    field given there keeps its given value. model.init_embedder_from (another source of the
-    embedders' weights) is cleared, or an error when given on the command line too."""
+RUN_CONFIG = "run_config.json"  # a workdir's record of its config (realm_jax/run_record.py)
+_SOURCES = ("init_embedders_from_ict", "init_from_realm")  # runs whose embedders start this one
+
+
+def _recorded(workdir: str, depth: int = 3) -> str:
+    """The model.init_retriever_from a run's workdir was started with: its record's override,
+    else that of the ICT or REALM run it started from (recorded likewise), "" when none. A
+    relative path is taken from the directory the run was started in."""
+    try:
+        record = json.loads(fs.read_text(fs.join(paths.root(workdir), RUN_CONFIG)))
+        overrides = dict(o.split("=", 1) for o in record.get("overrides", []) if "=" in o)
+        cwd = record.get("cwd", "")
+    except (OSError, ValueError, TypeError, AttributeError, fs.StorageError):
+        return ""
+
+    def there(path: str) -> str:
+        local = path and not fs.is_remote(path) and not os.path.isabs(path)
+        return (
+            os.path.join(cwd, path)
+            if local and cwd and os.path.exists(os.path.join(cwd, path))
+            else path
+        )
+
+    found = overrides.get("model.init_retriever_from", "")
+    if found:
+        return there(found)
+    for field in _SOURCES:
+        src = overrides.get(f"model.{field}", "")
+        if src and depth > 1:
+            found = _recorded(there(src), depth - 1)
+            if found:
+                return found
+    return ""
+
+
+def resolve(config, overrides=()) -> str | None:
+    """Set config.model's retriever fields from model.init_retriever_from, in place;
+    idempotent. When it is empty, a run that starts its embedders from an ICT or REALM
+    workdir (model.init_embedders_from_ict, init_from_realm) whose record says it started
+    from a sentence embedder takes that one's (the checkpoint's architecture); else nothing.
+    `overrides`: the command line's ("a.b=value"); a derived field given there keeps its
+    given value. model.init_embedder_from (another source of the embedders' weights) is
+    cleared, or an error when given on the command line too. Returns a line saying what it
+    set, for the command's output (None when nothing)."""
     model = config.get("model")
-    name = model.get("init_retriever_from", "") if model is not None else ""
+    if model is None or "init_retriever_from" not in model:
+        return None
+    name, inherited = model.init_retriever_from, ""
     if not name:
-        return
+        for field in _SOURCES:
+            src = model.get(field, "")
+            name = _recorded(src) if src else ""
+            if name:
+                inherited = f" (as model.{field}={src} was started)"
+                model.init_retriever_from = name
+                break
+    if not name:
+        return None
     given = _override_keys(overrides)
     derived = describe(name)
     changed = []
@@ -279,8 +330,14 @@ def resolve(config, overrides=()) -> None:
         log.info("model.init_retriever_from=%s replaces model.init_embedder_from=%s",
                  name, model.init_embedder_from)  # fmt: skip
         model.init_embedder_from = ""
+    kept = [k for k in derived if f"model.{k}" in given]
+    line = f"model.init_retriever_from={name}{inherited}"
     if changed:
-        log.info("model.init_retriever_from=%s sets model.%s", name, ", ".join(changed))
+        line += f" sets model.{', model.'.join(changed)}"
+    if kept:
+        line += f"; given on the command line: model.{', model.'.join(kept)}"
+    log.info("%s", line)
+    return line
 
 
 def bert_params(name: str, ecfg) -> dict:

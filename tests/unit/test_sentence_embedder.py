@@ -233,3 +233,30 @@ def test_refusals(tmp_path):
     shutil.copy(os.path.join(minilm_path(), "config.json"), bert / "config.json")
     with pytest.raises(config_lib.ConfigError, match="init_embedder_from"):
         _load(f"model.init_retriever_from={bert}")
+
+
+def _record(workdir, overrides, cwd=""):
+    workdir.mkdir(parents=True, exist_ok=True)
+    record = {"config": "configs/x.py:smoke", "overrides": overrides, "cwd": cwd,
+              "command": "ict", "finished": True}  # fmt: skip
+    (workdir / "run_config.json").write_text(json.dumps(record))
+
+
+def test_a_run_from_an_ict_or_realm_run_takes_its_sentence_embedder(tmp_path):
+    """REALM from an ICT run that started from MiniLM, and fine-tuning from that REALM run,
+    take MiniLM's fields from the runs' records (the checkpoints' architecture)."""
+    path = minilm_path()
+    ict, realm = tmp_path / "ict", tmp_path / "realm"
+    _record(ict, [f"model.init_retriever_from={path}", "train.steps=3"])
+    _record(realm, ["model.init_embedders_from_ict=ict"], cwd=str(tmp_path))  # relative
+    c = _load(f"model.init_embedders_from_ict={ict}")
+    assert c.model.init_retriever_from == path and c.model.embedder_pooling == "mean"
+    config = config_lib.load_config(
+        os.path.join(REPO, "configs/orqa.py:smoke"), [f"model.init_from_realm={realm}"]
+    )
+    note = sentence_embedder.resolve(config, [])
+    assert "as model.init_from_realm=" in note and config.model.proj_size == 384
+    plain = tmp_path / "plain"
+    _record(plain, ["train.steps=3"])
+    c = _load(f"model.init_embedders_from_ict={plain}")
+    assert c.model.init_retriever_from == "" and c.model.embedder_pooling == "realm"
