@@ -94,6 +94,12 @@ def load(
     from realm_jax.interop import sentence_embedder
 
     checkpoint = validation.checkpoint(checkpoint)  # before any file is read
+    from realm_jax.runtime import NOISY_LOGGERS
+
+    for name in NOISY_LOGGERS:  # orbax's, TFDS's, JAX's INFO chatter (through absl): their
+        # warnings and errors only, unless the caller set a level for one of them
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
     if not fs.isdir(workdir):
         raise FileNotFoundError(f"{workdir}: no such workdir")
     if is_export(workdir):
