@@ -264,6 +264,7 @@ CHOICES = {
     "data.engine": ("auto", "local", "beam"),
     "refresh.mode": ("external", "inprocess", "amortized"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.embedder_pooling": ("realm", "mean", "cls"),  # = model/bert.py EMBEDDER_POOLINGS
     "model.embedder.hidden_act": ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     "model.reader.hidden_act": ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
 }
@@ -332,6 +333,7 @@ for _part in ("embedder", "reader"):
     RANGES[f"model.{_part}.max_position_embeddings"] = _at_least(MIN_QUERY_LEN)
     RANGES[f"model.{_part}.dropout"] = ((lambda v: 0 <= v < 1), "in [0, 1)")
 RANGES["model.proj_size"] = _at_least(1)
+RANGES["model.retrieval_scale"] = ((lambda v: v > 0), "positive")  # a scale keeps the ranking
 
 
 _MISSING = object()

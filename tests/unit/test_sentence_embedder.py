@@ -260,3 +260,41 @@ def test_a_run_from_an_ict_or_realm_run_takes_its_sentence_embedder(tmp_path):
     _record(plain, ["train.steps=3"])
     c = _load(f"model.init_embedders_from_ict={plain}")
     assert c.model.init_retriever_from == "" and c.model.embedder_pooling == "realm"
+
+
+class _Mgr:
+    """What check_retriever_matches reads of an orbax manager: the newest step's fingerprint."""
+
+    directory = "/runs/ict/checkpoints"
+
+    def __init__(self, fingerprint):
+        self.fingerprint = fingerprint
+
+    def latest_step(self):
+        return 3
+
+    def metadata(self, step):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(custom_metadata={"fingerprint": self.fingerprint})
+
+
+def test_a_warm_start_from_other_embedders_is_refused():
+    from realm_jax.train import loop, warm_start
+
+    path = minilm_path()
+    ict = _load(f"model.init_retriever_from={path}")
+    model = {k: v for k, v in ict.model.to_dict().items() if not k.startswith("init_")}
+    flat = {}
+    loop._flat("model", model, flat)
+    warm_start.check_retriever_matches(_Mgr(flat), ict, "model.init_embedders_from_ict")
+    plain = config_lib.load_config(os.path.join(REPO, "configs/realm.py:smoke"))
+    with pytest.raises(config_lib.ConfigError, match="embedder_pooling: that run 'mean'"):
+        warm_start.check_retriever_matches(_Mgr(flat), plain, "model.init_embedders_from_ict")
+    # a fingerprint written before these fields: the release's embedder
+    shape = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+    old = {f"model.embedder.{k}": plain.model.embedder[k] for k in shape}
+    old["model.embedder.max_position_embeddings"] = plain.model.embedder.max_position_embeddings
+    old["model.proj_size"] = 128
+    warm_start.check_retriever_matches(_Mgr(old), plain, "model.init_embedders_from_ict")
+    warm_start.check_retriever_matches(_Mgr(None), plain, "x")  # none: not checked
