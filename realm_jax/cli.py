@@ -467,7 +467,8 @@ def _run(args, overrides: list[str]) -> int:
         from realm_jax.lock import held_elsewhere
 
         records = args.command not in WATCHED or not held_elsewhere(args.workdir, "trainer")
-    if records:
+    if records and args.command in WATCHED:  # prepare and import: once they succeed (bad
+        # input to them writes nothing, not even the workdir)
         run_record.write(args.workdir, args.config, args.overrides, args.command, False)
     if args.command in WATCHED:  # from start-up to shut-down (watchdog.for_process)
         from realm_jax import watchdog

@@ -3,9 +3,9 @@
 Every CLI command on a workdir reads it back (`resolve`): the recorded config and overrides,
 then the command line's overrides on top, so `realm-jax ask --workdir runs/mine-qa "q"` needs
 no --config. The commands that build a workdir's data or networks (prepare, train, local, ict,
-finetune, import: RECORDS) write it after validation and before any work, marked unfinished,
-and mark it finished when they succeed (`record`, `finish`); evaluate, ask, refresh and export
-only read it.
+finetune, import: RECORDS) write it (`write`, from cli): the training commands after validation
+and before any work, marked unfinished, then finished when they succeed; prepare and import
+once they succeed. evaluate, ask, refresh and export only read it.
 
 How a command's config is decided (docs/reference.md "A workdir remembers its config"):
   - no record: --config (default configs/realm.py:smoke) and the command line's overrides;

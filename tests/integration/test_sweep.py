@@ -113,8 +113,8 @@ def test_sweep_runs_tables_and_skips_finished_points(tmp_path, capsys, two_devic
     rc, out, err = _sweep(capsys, *args)
     assert rc == 1, out[-3000:] + err[-3000:]  # the third point failed
     names = ["eval_examples=8", "eval_examples=24", "num_candidates=1000"]
-    assert sorted(os.listdir(prefix)) == sorted(
-        [*names, "data", "sweep.csv", "sweep.json", "sweep.md"]
+    assert sorted(os.listdir(prefix)) == sorted(  # run_config.json: the prepare's record
+        [*names, "data", "run_config.json", "sweep.csv", "sweep.json", "sweep.md"]
     )
     assert "[point 1/3 eval_examples=8] step 4/4" in out
     assert "[point 3/3 num_candidates=1000] realm-jax local: error: train.num_candidates" in out
