@@ -388,3 +388,29 @@ class Model:
             block = next((h for h in evidence if h.block_id == r["block"]["id"]), evidence[0])
             out.append(Answer(q, r["prediction"], float(r["score"]), block, evidence))
         return out[0] if single else out
+
+
+def ask_command(config, args) -> int:
+    """`realm-jax ask "question"` on a pre-training (REALM or ICT) workdir: the top blocks, with
+    their scores (it has no reader fine-tuned to answer: QA configs answer, qa/commands.py).
+    dense: index/ask.py (the published index's searcher); --retriever bm25 or hybrid: this
+    API's retrievers (Model.retrieve) over the same blocks. An entry point (the CLI's), here
+    so that index/ stays below the API."""
+    import jax
+
+    from realm_jax.index.ask import ask, one_line
+
+    if not args.question:
+        raise ValueError("give a question (interactive mode needs a QA config)")
+    question = validation.question(" ".join(args.question))
+    top_k = validation.top_k(args.top_k, "--top_k")
+    retriever = validation.retriever(getattr(args, "retriever", "dense"))
+    if retriever == "dense":
+        hits = ask(config, args.workdir, question, top_k)
+    else:
+        found = Model(config, args.workdir, "latest").retrieve(question, top_k, retriever)
+        hits = [(h.title, h.text, h.score) for h in found]
+    if jax.process_index() == 0:  # several processes: each computes the same, one prints
+        for title, text, score in hits:
+            print(f"[{score:8.3f}] {one_line(title, 80)}: {one_line(text)}")
+    return 0

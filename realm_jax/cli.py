@@ -54,12 +54,12 @@ TASK_COMMANDS = {
     "realm": {
         "train": "realm_jax.pretrain.commands:train_command",
         "local": "realm_jax.pretrain.commands:local",
-        "ask": "realm_jax.index.ask:command",
+        "ask": "realm_jax.api:ask_command",
     },
     "ict": {
         "train": "realm_jax.ict.commands:command",
         "local": "realm_jax.ict.commands:command",
-        "ask": "realm_jax.index.ask:command",
+        "ask": "realm_jax.api:ask_command",
     },
     "qa": {
         "train": "realm_jax.qa.commands:finetune",

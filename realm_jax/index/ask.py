@@ -1,4 +1,6 @@
-"""Host-side retrieval with the latest published index: the `ask` command.
+"""Host-side retrieval with the latest published index: the dense retriever of a pre-training
+workdir's `ask` (the command itself, with --retriever bm25 and hybrid through the Python API's
+retrievers, is an entry point: api.ask_command).
 
 The query embedder comes from the newest checkpoint (a partial restore); the search runs on
 the host with the index's serialised ScaNN searcher (exact numpy search when none was built).
@@ -73,24 +75,3 @@ def one_line(text: str, width: int = 200) -> str:
     text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
     return text if len(text) <= width else text[: width - 1].rstrip() + "\u2026"
 
-
-def command(config, args) -> int:
-    """`realm-jax ask "question"`: the top blocks, with their scores (a pre-training workdir
-    has no reader fine-tuned to answer: QA configs answer, qa/commands.py). --retriever bm25
-    or hybrid: the Python API's retrievers (api.Model.retrieve) over the same blocks."""
-    if not args.question:
-        raise ValueError("give a question (interactive mode needs a QA config)")
-    question = validation.question(" ".join(args.question))
-    top_k = validation.top_k(args.top_k, "--top_k")
-    retriever = validation.retriever(getattr(args, "retriever", "dense"))
-    if retriever == "dense":
-        hits = ask(config, args.workdir, question, top_k)
-    else:
-        from realm_jax.api import Model
-
-        found = Model(config, args.workdir, "latest").retrieve(question, top_k, retriever)
-        hits = [(h.title, h.text, h.score) for h in found]
-    if jax.process_index() == 0:  # several processes: each computes the same, one prints
-        for title, text, score in hits:
-            print(f"[{score:8.3f}] {one_line(title, 80)}: {one_line(text)}")
-    return 0

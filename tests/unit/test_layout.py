@@ -21,7 +21,7 @@ PKG = os.path.join(REPO, "realm_jax")
 # Lowest first. A module may import its own room and any room of a lower layer.
 LAYERS = [
     {"config", "fs", "workdir", "lock", "runtime", "tokenization", "sharding", "checkpoint"}
-    | {"corpus_errors", "watchdog", "hlo_audit", "hlo_cost"},
+    | {"corpus_errors", "watchdog", "hlo_audit", "hlo_cost", "run_record", "validation"},
     {"interop"},  # foreign formats in and out: bytes and arrays, no model, no corpus
     {"data", "model", "ops"},
     {"index"},
