@@ -19,7 +19,6 @@ import logging
 import os
 
 import numpy as np
-from flax import linen as nn
 
 from realm_jax import fs
 from realm_jax.interop import hub, safe_pickle
@@ -495,6 +494,8 @@ def import_tensors(hf: dict, tensors: dict[str, np.ndarray], path: str) -> Impor
 def merge_params(target, loaded: dict, where: str = "params"):
     """Replace leaves of `target` (a params tree, possibly with LogicallyPartitioned boxes)
     by those in `loaded`; every loaded leaf must exist in target with the same shape."""
+    from flax import linen as nn  # here: reading a folder's config and files needs no JAX
+
     if not isinstance(loaded, dict):
         raise TypeError(where)
     out = dict(target)
