@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resolve_config(args, overrides: list[str]):
     """The config this command runs with: --config and the command line's overrides on top of
-    the workdir's record (run_record.resolve), with one line saying what it took and changed.
+    the workdir's record (run_record.resolve), with one line saying what it took and changed
+    (commands that record their config: RECORDS_CONFIG).
     Sets args.config (the spec run) and args.overrides (every override, in order)."""
     from realm_jax import run_record
     from realm_jax.config import default_config_path, load_config
@@ -409,7 +410,9 @@ def _resolve_config(args, overrides: list[str]):
     config = load_config(got.spec, got.overrides)
     for note in got.notes:
         print(f"realm-jax {args.command}: {note}", file=sys.stderr)
-    if got.from_record:
+    if got.from_record and args.command in RECORDS_CONFIG:  # evaluate, ask, refresh and
+        # export only read the record and leave it as it is (a one-off override is theirs
+        # alone): no line, so that a bad input to them is the one error line
         before = config
         if overrides:
             recorded = run_record.merged((run_record.read(args.workdir) or {})["overrides"], [])
