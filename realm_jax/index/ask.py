@@ -74,4 +74,3 @@ def one_line(text: str, width: int = 200) -> str:
     space, cut to `width` characters (an ellipsis marks a cut)."""
     text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
     return text if len(text) <= width else text[: width - 1].rstrip() + "\u2026"
-

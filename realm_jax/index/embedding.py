@@ -4,6 +4,8 @@ embeds them all with live parameters."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,123 @@ def embed_blocks_fn(model, mesh: Mesh, batch_size: int, dtype=None):
         return out.reshape(n, -1)
 
     return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)
+
+
+# A long pass over the corpus (the frozen index, an in-process refresh) runs as this many jitted
+# calls at most, waited for one by one: its progress and ETA are known after each.
+PROGRESS_PARTS = 20
+
+
+def _parts_plan(n: int, n_dev: int, batch_size: int, parts: int):
+    """(chunk, rows a part, parts) of a pass over n rows on n_dev devices in `parts` calls of
+    whole chunks (embed_blocks_fn's: batch_size rows a device), None for one call (a device
+    holds one chunk). A part's rows never exceed a device's: the last part may be moved back
+    to overlap the one before (its rows embedded twice, with the same params)."""
+    per_dev = n // n_dev
+    chunk = min(batch_size, per_dev)
+    steps = -(-per_dev // chunk) if chunk else 0
+    if parts < 2 or steps < 2:
+        return None
+    size = -(-steps // parts) * chunk  # <= (steps - 1) * chunk <= per_dev
+    return chunk, size, -(-per_dev // size)
+
+
+def embed_blocks_in_parts_fn(model, mesh: Mesh, batch_size: int, dtype=None, parts=PROGRESS_PARTS):
+    """embed_blocks_fn's pass (the same chunks of batch_size rows a device, so the same
+    embeddings) as up to `parts` jitted calls: (params, tokens [N, Lb], on_part=None) ->
+    embeddings [N, D] row-sharded (in `dtype` when given). Call j embeds the next rows of every
+    device's own rows into the result (donated from call to call); with on_part, each call is
+    waited for and on_part(fraction done) called after it (the only host syncs), without, the
+    calls are only dispatched. A table of one chunk a device: embed_blocks_fn's one call."""
+    whole = embed_blocks_fn(model, mesh, batch_size, dtype)
+    rows = sharding.rows_sharding(mesh)
+    n_dev = mesh.devices.size
+
+    def part(params, tokens, emb, j):
+        n = tokens.shape[0]
+        per_dev = n // n_dev
+        chunk, size, _ = _parts_plan(n, n_dev, batch_size, parts)
+        start = jnp.minimum(j * size, per_dev - size)
+        piece = jax.lax.dynamic_slice_in_dim(tokens.reshape(n_dev, per_dev, -1), start, size, 1)
+        t = piece.reshape(n_dev, size // chunk, chunk, -1).transpose(1, 0, 2, 3)
+
+        def one(_, tc):  # tc [n_dev, chunk, Lb]: embed_blocks_fn's step
+            flat = jax.lax.with_sharding_constraint(tc.reshape(n_dev * chunk, -1), rows)
+            e = embed_block_tokens(model, params, flat).astype(emb.dtype)
+            return None, e.reshape(n_dev, chunk, -1)
+
+        _, new = jax.lax.scan(one, None, t)  # [size // chunk, n_dev, chunk, D]
+        new = new.transpose(1, 0, 2, 3).reshape(n_dev, size, -1)
+        out = jax.lax.dynamic_update_slice_in_dim(emb.reshape(n_dev, per_dev, -1), new, start, 1)
+        return out.reshape(n, -1)
+
+    part_fn = sharding.traced_in_mesh(jax.jit(part, out_shardings=rows, donate_argnums=2), mesh)
+
+    def embed(params, tokens, on_part=None):
+        plan = _parts_plan(tokens.shape[0], n_dev, batch_size, parts)
+        if plan is None:
+            out = whole(params, tokens)
+            if on_part is not None:
+                out.block_until_ready()
+                on_part(1.0)
+            return out
+        row = jax.ShapeDtypeStruct((1, tokens.shape[1]), tokens.dtype)
+        spec = jax.eval_shape(lambda p, t: embed_block_tokens(model, p, t), params, row)
+        shape, dt = (tokens.shape[0], spec.shape[1]), dtype or spec.dtype
+        emb = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=rows)()
+        count = plan[2]
+        for j in range(count):
+            emb = part_fn(params, tokens, emb, jnp.int32(j))
+            if on_part is not None:
+                emb.block_until_ready()
+                on_part((j + 1) / count)
+        return emb
+
+    return embed
+
+
+def duration(seconds: float) -> str:
+    """A duration for a progress line: 45 s, 3 min 05 s, 1 h 02 min."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class Progress:
+    """on_part for embed_blocks_in_parts_fn: a log line with the fraction done and the ETA at
+    each further 10% or every 30 s, whichever comes first; none in a pass's first 10 s (a
+    short pass logs only its caller's total). The ETA is from the rate after the first part
+    (which includes the compilation)."""
+
+    def __init__(self, logger, what: str, num_blocks: int, every_s=30.0, quiet_s=10.0):
+        self.log, self.what, self.num_blocks = logger, what, num_blocks
+        self.every_s, self.quiet_s = every_s, quiet_s
+        self.t0 = self.last_t = time.perf_counter()
+        self.last_f, self.first = 0.0, None  # (time, fraction) after the first part
+
+    def __call__(self, fraction: float) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (now, fraction)
+        if fraction >= 1.0 or now - self.t0 < self.quiet_s:
+            return
+        if fraction - self.last_f < 0.1 - 1e-9 and now - self.last_t < self.every_s:
+            return
+        t1, f1 = self.first
+        rate = (fraction - f1) / (now - t1) if fraction > f1 and now > t1 else 0.0
+        rate = rate or fraction / (now - self.t0)
+        self.log.info(
+            "%s: %d%% of %d blocks embedded in %s, ETA %s",
+            self.what,
+            int(100 * fraction),
+            self.num_blocks,
+            duration(now - self.t0),
+            duration((1.0 - fraction) / rate),
+        )
+        self.last_t, self.last_f = now, fraction
 
 
 def slice_rows(per_device: int, every: int, j: int) -> tuple[int, int]:

@@ -36,7 +36,14 @@ from realm_jax import fs, sharding
 from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
 from realm_jax.index import retention, store
-from realm_jax.index.embedding import embed_blocks_fn, index_dtype, pad_index, slice_embed_fn
+from realm_jax.index.embedding import (
+    Progress,
+    embed_blocks_fn,
+    embed_blocks_in_parts_fn,
+    index_dtype,
+    pad_index,
+    slice_embed_fn,
+)
 from realm_jax.model.realm import RealmModel
 
 log = logging.getLogger("realm_jax.refresh")
@@ -96,6 +103,10 @@ class IndexFeed:
         # read as float32 rows, so a version serves either setting.
         self.dtype = index_dtype(config)
         self.embed = embed_blocks_fn(model, mesh, config.refresh.embed_batch_size, self.dtype)
+        # the same pass in parts, with a progress line on a long one (reembed)
+        self.embed_parts = embed_blocks_in_parts_fn(
+            model, mesh, config.refresh.embed_batch_size, self.dtype
+        )
         self.emb = None  # [Npad, D]
         if self.mode == "amortized":
             self.every = int(config.refresh.every)
@@ -288,8 +299,8 @@ class IndexFeed:
     def reembed(self, params, step: int) -> None:
         """In-process refresh: embed every block with the trainer's current parameters."""
         t0 = time.time()
-        self.emb = self.embed(params, self.tokens)
-        self.emb.block_until_ready()
+        progress = Progress(log, f"index: re-embedding in-process at step {step}", self.num_blocks)
+        self.emb = self.embed_parts(params, self.tokens, progress)  # waited for, part by part
         self.step, self.last_swap_seconds = step, time.time() - t0
         log.info(
             "index: re-embedded %d blocks in-process at step %d (%.2fs)",

@@ -18,7 +18,7 @@ from realm_jax import workdir as paths
 from realm_jax.data import datasets, pipeline
 from realm_jax.index import store
 from realm_jax.index.ask import one_line
-from realm_jax.index.embedding import abstract_params, index_dtype
+from realm_jax.index.embedding import Progress, abstract_params, index_dtype
 from realm_jax.index.refresher import build_searcher
 from realm_jax.model.realm import realm_model
 from realm_jax.qa import data as qa_data
@@ -60,7 +60,8 @@ def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenInd
         return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
     t0 = time.perf_counter()
     batch, dtype = config.refresh.embed_batch_size, index_dtype(config)
-    index, emb = FrozenIndex.embed(mesh, model, params, tokens, batch, dtype)
+    progress = Progress(log, "the frozen index", len(tokens))  # JAX's calls return at once:
+    index, emb = FrozenIndex.embed(mesh, model, params, tokens, batch, dtype, progress)  # waited
     log.info(
         "embedded %d blocks in %.1f s (the frozen index)", len(tokens), time.perf_counter() - t0
     )

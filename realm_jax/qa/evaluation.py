@@ -34,7 +34,7 @@ import numpy as np
 from realm_jax import sharding
 from realm_jax import tokenization as tk
 from realm_jax.data import datasets
-from realm_jax.index.embedding import embed_blocks_fn, pad_index
+from realm_jax.index.embedding import embed_blocks_in_parts_fn, pad_index
 from realm_jax.qa import answers as qa_answers
 from realm_jax.qa import data as qa_data
 from realm_jax.qa import step as qa_step
@@ -59,13 +59,24 @@ class FrozenIndex:
         return cls(sharding.put_rows(e, mesh), sharding.put_rows(t, mesh), len(tokens))
 
     @classmethod
-    def embed(cls, mesh, model, params, tokens: np.ndarray, batch_size: int, dtype=np.float32):
+    def embed(
+        cls,
+        mesh,
+        model,
+        params,
+        tokens: np.ndarray,
+        batch_size: int,
+        dtype=np.float32,
+        on_part=None,
+    ):
         """Embed every block with the document embedder in `params` -> (index, the float32
         embeddings [Npad, D] row-sharded on the mesh: what is published, by row ranges). The
-        index holds them in `dtype`. Never gathered whole on a device or a host (issue 58)."""
+        index holds them in `dtype`. Never gathered whole on a device or a host (issue 58).
+        on_part: embed_blocks_in_parts_fn's progress hook (e.g. embedding.Progress); the pass
+        is waited for when one is given."""
         _, t = pad_index(None, tokens, mesh)
         t = sharding.put_rows(t, mesh)
-        emb = embed_blocks_fn(model, mesh, batch_size)(params, t)
+        emb = embed_blocks_in_parts_fn(model, mesh, batch_size)(params, t, on_part)
         return cls(emb.astype(dtype), t, len(tokens)), emb
 
 
