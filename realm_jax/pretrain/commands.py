@@ -120,6 +120,13 @@ def _train(
             out["index_swap_seconds"] = feed.last_swap_seconds
         return out
 
+    def before_step_waits(step: int) -> bool:  # it reads the params (not amortized's slices)
+        if step <= start:
+            return False
+        if export is not None and step % export.every == 0:
+            return True
+        return feed.due(step) and (feed.mode == "inprocess" or feed.lockstep)
+
     def step(state, batch):
         state, metrics = step_fn(state, batch, feed.emb, feed.tokens, jnp.int32(feed.step))
         return state, metrics
@@ -129,6 +136,7 @@ def _train(
         step=step,
         evaluate=evaluator,
         before_step=before_step,
+        before_step_waits=before_step_waits,
         console_keys=CONSOLE_KEYS,
         eval_console_keys=EVAL_CONSOLE_KEYS,
         close=lambda: _close(feed, export),

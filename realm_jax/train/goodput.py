@@ -18,9 +18,10 @@ from realm_jax import workdir as paths
 
 log = logging.getLogger("realm_jax.train")
 
-# compile: the first step call (trace, lower, compile); step: the later step calls and the
-# waits for their results; data: blocked on the input iterator; checkpoint: saves; eval:
-# held-out evaluations; index: the task's host work before a step (REALM's index swap or wait)
+# compile: the first step call (trace, lower, compile) and its run; step: the later step
+# calls and the waits for their results (saves and evaluations wait for them first:
+# instruments.Meter); data: blocked on the input iterator; checkpoint: saves; eval: held-out
+# evaluations; index: the task's host work before a step (REALM's index swap or wait)
 TIMED = ("compile", "step", "data", "checkpoint", "eval", "index")
 # redone: step time of the steps a restart trains again; other: what no bucket timed
 PARTS = TIMED + ("redone", "other")

@@ -6,10 +6,24 @@ and train.profile_steps' jax.profiler trace (`Profile`).
 FLOPs come from XLA's cost analysis of the executables the first step call compiled (the
 tasks' steps are closures around their jitted functions, so the loop cannot `.lower` them;
 the executables JAX built during that call are the step's, compiled once, nothing again).
-The executable is the partitioned, per-device program: its flops are one device's."""
+The executable is the partitioned, per-device program: its flops are one device's.
+
+The speed figures are measured over completed work: a step call returns once the step is
+dispatched, not done, so the step time is taken between points where the device has finished
+the steps called (`Meter.settle`): the end of the first, compiling call, and each log point.
+The stretches left out of it (saves, evaluations, index swaps) are left out only when no step
+was running during them: saves and evaluations first wait for the steps in flight (they read
+the state, so they would anyway; the wait counts as step time), as does an index stretch the
+task says will read the state (Task.before_step_waits: REALM's in-process refresh, a lockstep
+swap, an embedder export); another index stretch (a check before every step, which must not
+stall the dispatch) is left out only when the steps before it had finished when it began.
+Otherwise a step's run that an evaluation waited for would be taken for the evaluation's, and
+ex/s and MFU would count the step as faster than it was. steps/s, ex/s, tokens/s, TFLOP/s and
+MFU all come from the one step time, over the same window."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -44,6 +58,10 @@ PEAK_FLOPS = (
 # the batch's input sequences (padding included); blocks a step gathers on device are not
 TOKEN_KEYS = ("query_ids", "question_ids", "block_ids")
 GIB = float(1 << 30)
+# goodput buckets whose stretches the step time leaves out, when no step ran during them
+EXCLUDED = ("checkpoint", "eval", "index")
+# those that first wait for the steps in flight (they read the state: no extra sync)
+SETTLED = ("checkpoint", "eval")
 
 
 @functools.cache
@@ -139,22 +157,71 @@ class Meter:
         self.compiled = False
         self.compile_seconds = 0.0
         self.peak = None
-        self.last = (self.goodput.clock(), start, 0.0)  # (time, step, excluded seconds)
+        self.pending = None  # the last step call's metrics, until they are known to be ready
+        self.calls = 0  # step calls after the compiling one: the steps the speed counts
+        self.excluded = 0.0  # seconds of stretches left out of the step time
+        self._leaving_out = False  # inside a stretch being left out (nested ones are in it)
+        self.last = (self.goodput.clock(), 0, 0.0)  # (time, calls, excluded) at the last log
         self.speed: dict[str, float] = {}
 
-    def timed(self, bucket: str):
-        return self.goodput.timed(bucket)
+    def settle(self) -> None:
+        """Wait for the steps called so far to finish (the wait is step time)."""
+        if self.pending is None:
+            return
+        with self.goodput.timed("step"):
+            jax.block_until_ready(self.pending)
+        self.pending = None
+
+    def idle(self) -> bool:
+        """Whether the steps called so far have finished, without waiting for them."""
+        if self.pending is not None:
+            leaves = jax.tree.leaves(self.pending)
+            if not all(x.is_ready() for x in leaves if hasattr(x, "is_ready")):
+                return False
+            self.pending = None
+        return True
+
+    @contextlib.contextmanager
+    def timed(self, bucket: str, settle: bool | None = None):
+        """Charge the time inside to goodput's `bucket`. A stretch of EXCLUDED (not inside
+        another one) is left out of the step time when no step ran during it: one that
+        settles (SETTLED's buckets by default; an index stretch when the task says it will
+        read the state) first waits for the steps in flight; another is left out only when
+        they had finished (an index check that overlapped them stays in the step time)."""
+        if bucket not in EXCLUDED or self._leaving_out:
+            with self.goodput.timed(bucket):
+                yield
+            return
+        if bucket in SETTLED if settle is None else settle:
+            self.settle()
+        leave_out = self.idle()
+        self._leaving_out = leave_out
+        start = self.goodput.clock()
+        try:
+            with self.goodput.timed(bucket):
+                yield
+        finally:
+            if leave_out:
+                self._leaving_out = False
+                self.excluded += self.goodput.clock() - start
 
     def call_step(self, step_fn, state, batch, local: dict):
         """step_fn(state, batch), timed: the first call as compile (and the executables it
-        built give the step's FLOPs), the others as steps."""
+        built give the step's FLOPs), waiting for its step to finish, the speed's window
+        starting after it; the others as steps, their outputs kept as in flight."""
         self.goodput.steps += 1
         if self.compiled:
             with self.timed("step"):
-                return step_fn(state, batch)
+                out = step_fn(state, batch)
+            self.calls += 1
+            # the metrics, which the same run writes: never the state, which the next call
+            # donates (a deleted array's is_ready() crashes the process)
+            self.pending = out[1]
+            return out
         before = {id(e) for e in _live()}
         with self.timed("compile"):
             out = step_fn(state, batch)
+            jax.block_until_ready(out)  # its run, not only its dispatch
         self.compiled = True
         self.compile_seconds = self.goodput.seconds["compile"]
         self.flops = executables_flops(e for e in _live() if id(e) not in before)
@@ -163,24 +230,22 @@ class Meter:
             log.warning("MFU not reported: no %s", "step FLOPs" if not self.flops else "peak")
         n = sum(v.size for k, v in local.items() if k in TOKEN_KEYS)
         self.tokens = n * jax.process_count()
+        self.last = (self.goodput.clock(), self.calls, self.excluded)  # the window starts here
         return out
 
-    def _excluded(self) -> float:
-        s = self.goodput.seconds
-        return s["compile"] + s["checkpoint"] + s["eval"] + s["index"]
-
-    def _update_speed(self, step: int) -> None:
-        """Step time since the last log: wall time less compilation, saves, evaluations and
-        index swaps (data waits stay in), over the steps taken. Measured after the metrics'
-        fetch, which waited for the device: no blocking of its own."""
-        now, excluded = self.goodput.clock(), self._excluded()
-        t, s, ex = self.last
-        self.last = (now, step, excluded)
-        if step <= s:
+    def _update_speed(self) -> None:
+        """Step time since the last log (or the end of the compiling call): wall time less
+        the stretches left out (saves, evaluations, index swaps during which no step ran; data
+        waits stay in), over the step calls in it, all finished (values settles first)."""
+        now = self.goodput.clock()
+        t, calls, excluded = self.last
+        self.last = (now, self.calls, self.excluded)
+        if self.calls <= calls:
             return
-        step_time = max(1e-9, (now - t - (excluded - ex)) / (step - s))
+        step_time = max(1e-9, (now - t - (self.excluded - excluded)) / (self.calls - calls))
         speed = {
             "step_time": step_time,
+            "steps_per_sec": 1.0 / step_time,
             "examples_per_sec": self.batch_size / step_time,
             "tokens_per_sec": self.tokens / step_time,
         }
@@ -190,10 +255,15 @@ class Meter:
             speed["mfu"] = m
         self.speed = speed
 
-    def values(self, step: int) -> dict[str, float]:
-        """The instruments at `step` (flat floats, for the log line and TensorBoard): speed,
-        compile_seconds, memory (GiB), goodput and goodput/<part> (seconds)."""
-        self._update_speed(step)
+    def values(self, step: int | None = None) -> dict[str, float]:
+        """The instruments at a log point (flat floats, for the log line and TensorBoard):
+        speed, compile_seconds, memory (GiB), goodput and goodput/<part> (seconds). Waits for
+        the steps in flight first (at a log step the metrics' fetch already has: no cost), so
+        the speed is over finished steps. `step` (the step logged) is not needed: the window
+        counts the step calls."""
+        del step
+        self.settle()
+        self._update_speed()
         used, peak = memory_bytes()
         split = self.goodput.split()
         out = dict(self.speed)

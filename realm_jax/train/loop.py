@@ -42,14 +42,19 @@ class Task:
 
     step(state, global_batch) -> (state, metrics): the jitted update (metrics stay on device
     until a log step). before_step(step, state) -> dict: host work before a step (REALM's
-    index swap), extra values to log. evaluate(state, step) -> dict of floats: held-out
-    metrics, logged under "eval/". console_keys: the metrics printed on the console line.
+    index swap), extra values to log. before_step_waits(step) -> bool: whether that host work
+    will read the state on the device (an in-process refresh, an export): the loop then waits
+    for the steps in flight first, so their run is step time, not the index's (instruments.py);
+    a check that does not (run before every step, waiting would stall the dispatch) says False.
+    evaluate(state, step) -> dict of floats: held-out metrics, logged under "eval/".
+    console_keys: the metrics printed on the console line.
     """
 
     name: str
     step: Callable[[Any, dict], tuple[Any, dict]]
     evaluate: Callable[[Any, int], dict[str, float]] | None = None
     before_step: Callable[[int, Any], dict] | None = None
+    before_step_waits: Callable[[int], bool] | None = None
     console_keys: tuple[str, ...] = ("loss",)
     eval_console_keys: tuple[str, ...] = ()
     close: Callable[[], None] | None = None
@@ -354,7 +359,8 @@ def run(
         """The task's host work before `step` (REALM: take up a newer index), once per step."""
         nonlocal ready
         if task.before_step is not None and ready != step:
-            with meter.timed("index"):
+            waits = task.before_step_waits is not None and task.before_step_waits(step)
+            with meter.timed("index", settle=waits):
                 extra.update(task.before_step(step, state) or {})
         ready = step
 

@@ -109,7 +109,9 @@ def format_seconds(s: float) -> str:
 
 
 class Progress:
-    """steps/s (excluding the first, compiling step) and ETA for long loops."""
+    """The ETA of a long loop: the steps left at the wall-clock rate since the first log line
+    (after compilation), evaluations, saves and index swaps included, as they will recur. The
+    speed (steps/s, ex/s: instruments.Meter) is the steps' own, without them."""
 
     def __init__(self, total: int, start: int = 0):
         self.total, self.start = total, start
@@ -123,7 +125,7 @@ class Progress:
             return {}
         rate = (step - self.s0) / max(now - self.t0, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else float("inf")
-        return {"steps_per_sec": rate, "eta_seconds": eta}
+        return {"eta_seconds": eta}
 
 
 INT_KEYS = ("staleness", "index_step")

@@ -56,21 +56,55 @@ def test_goodput_split_sums_to_the_wall_time_and_nests():
     assert goodput.ratio(split) == pytest.approx(4 / 21.2)
 
 
+class Device:
+    """A fake asynchronous device on a fake clock: a step call returns at once, its outputs
+    ready `seconds` after the device finishes the steps called before it."""
+
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds, self.free = clock, seconds, clock()
+
+    def step(self, state, batch):
+        self.free = max(self.free, self.clock()) + self.seconds
+        return state, {"loss": Pending(self.clock, self.free)}
+
+    def wait(self):  # what reading the state does (an evaluation, a refresh, a save)
+        self.clock.t = max(self.clock.t, self.free)
+
+
+class Pending:
+    def __init__(self, clock, at):
+        self.clock, self.at = clock, at
+
+    def is_ready(self):
+        return self.clock() >= self.at
+
+    def block_until_ready(self):
+        self.clock.t = max(self.clock.t, self.at)
+        return self
+
+
+def compiled_meter(clock, batch_size=8):
+    m = instruments.Meter(batch_size=batch_size, start=0, clock=clock)
+    m.flops, m.peak, m.tokens, m.compiled = 3e12, 1e14, 256, True
+    return m
+
+
 def test_mfu_is_flops_over_step_time_over_peak():
     clock = Clock()
-    m = instruments.Meter(batch_size=8, start=0, clock=clock)
-    m.flops, m.peak, m.tokens, m.compiled = 3e12, 1e14, 256, True
-    with m.timed("compile"):  # left out of the step time
+    m = compiled_meter(clock)
+    device = Device(clock, 0.4)
+    with m.timed("compile"):  # before the window (the compiling call starts it)
         clock.tick(9)
+    m.last = (clock(), 0, 0.0)
     for _ in range(10):
         with m.timed("data"):  # stays in: it slows the steady state
             clock.tick(0.1)
-        with m.timed("step"):
-            clock.tick(0.4)
+        m.call_step(device.step, None, {}, {})
+        device.wait()  # a host that waits for every step (the loop's log fetch)
     with m.timed("checkpoint"):  # left out
         clock.tick(2)
     v = m.values(10)
-    assert v["step_time"] == pytest.approx(0.5)
+    assert v["step_time"] == pytest.approx(0.5) and v["steps_per_sec"] == pytest.approx(2)
     assert v["mfu"] == pytest.approx(3e12 / 0.5 / 1e14)
     assert v["tflops_per_device"] == pytest.approx(6.0)
     assert v["examples_per_sec"] == pytest.approx(16) and v["tokens_per_sec"] == pytest.approx(512)
@@ -78,6 +112,61 @@ def test_mfu_is_flops_over_step_time_over_peak():
     summary = instruments.summary(v)
     assert summary["mfu"] == v["mfu"] and summary["goodput"] == v["goodput"]
     assert summary["goodput_split"]["wall"] == pytest.approx(16)
+
+
+@pytest.mark.parametrize("bucket", ["eval", "index", "checkpoint"])
+def test_speed_counts_the_steps_an_evaluation_or_refresh_waited_for(bucket):
+    """The loop dispatches steps back to back (a step call returns before the step ran);
+    the evaluation or in-process refresh after them reads the state, so it first waits for
+    them. That wait is the steps' time: taken for the evaluation's and left out, it made a
+    run's ex/s 3x its steps/s x batch and MFU 193% (steps 41-60, eval and refresh at 50)."""
+    clock = Clock()
+    m = compiled_meter(clock, batch_size=16)
+    device = Device(clock, 1.0)  # a step runs 1 s on the device
+    m.last = (clock(), 0, 0.0)
+    for _ in range(10):  # steps 1-10: dispatched in 10 ms each, done at t0 + 10 s
+        with m.timed("step"):
+            m.call_step(device.step, None, {}, {})
+            clock.tick(0.01)
+    settle = {"settle": True} if bucket == "index" else {}  # the task says it reads the state
+    with m.timed(bucket, **settle):  # it waits for the 10 steps, then 5 s of its own
+        device.wait()
+        clock.tick(5)
+    for _ in range(10):  # steps 11-20, then the log step's metrics fetch
+        m.call_step(device.step, None, {}, {})
+        clock.tick(0.01)
+    with m.timed("step"):
+        device.wait()
+    v = m.values(20)
+    assert v["step_time"] == pytest.approx(1.0, rel=0.02)
+    assert v["examples_per_sec"] == pytest.approx(16 * v["steps_per_sec"])
+    assert v["examples_per_sec"] == pytest.approx(16, rel=0.02)
+    assert v["mfu"] == pytest.approx(3e12 / 1.0 / 1e14, rel=0.02)
+    split = m.goodput.split()  # the wait is step time in the goodput split too
+    assert split[bucket] == pytest.approx(5) and split["step"] == pytest.approx(20, abs=0.15)
+
+
+def test_an_index_stretch_that_overlapped_running_steps_stays_in_the_step_time():
+    """REALM's index check runs before every step: unless the task says it reads the state
+    it does not wait for the device (that would stall the dispatch), so while steps run its
+    time is theirs, not left out; after they finished, it is left out."""
+    clock = Clock()
+    m = compiled_meter(clock)
+    device = Device(clock, 1.0)
+    m.last = (clock(), 0, 0.0)
+    for _ in range(4):
+        with m.timed("index"):  # the first: no step ran yet, left out; the others overlap
+            clock.tick(0.2)  # host work while the step before runs
+        m.call_step(device.step, None, {}, {})
+    device.wait()
+    clock.tick(3)  # idle host: nothing ran
+    with m.timed("index"):  # after the steps finished: left out
+        clock.tick(7)
+    m.call_step(device.step, None, {}, {})
+    device.wait()
+    v = m.values(5)
+    # 15.2 s of wall time: 4 steps done at 4.2 s, 3 s idle, 7 s left out, the 5th step's 1 s
+    assert v["step_time"] == pytest.approx((15.2 - 0.2 - 7) / 5)
 
 
 @pytest.mark.parametrize(
