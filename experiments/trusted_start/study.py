@@ -14,7 +14,8 @@ initialisation), run as a user would (`python -m realm_jax ...`), into --root/at
              retriever frozen, then REALM with the embedders at a tenth of the reader's LR)
              from the trusted embedder instead of bert-tiny's ICT
   ict        ICT as continued pre-training on the world's corpus (configs/ict.py:world, the
-             embedders from the trusted start), then scored as `start` is
+             embedders from the trusted start, as many steps as REALM trains the embedders),
+             then scored as `start` is
   imitation  the BM25-imitation control: ICT's loss on (masked sentence, BM25's top block)
              pairs (`ict --config.ict.positives=bm25`) for as many steps as REALM trains the
              embedders, from the trusted start, then scored as `start` is
@@ -150,8 +151,8 @@ def world(a) -> int:
                     extra = [
                         f"--config.ict.positives={'bm25' if arm == 'imitation' else 'own_block'}"
                     ]
-                    if arm == "imitation":
-                        extra.append(f"--config.train.steps={embedder_steps}")
+                    # as many embedder steps as REALM's (ICT's world variant: 400, from bert-tiny)
+                    extra.append(f"--config.train.steps={embedder_steps}")
                     args = ["ict", "--config", ICT, "--workdir", ict_wd, *paths]
                     run([*args, *start_flags(), *extra], f"{ict_wd}.log")
                 h = history(scored(wd, root, paths, ict_wd))
