@@ -57,6 +57,9 @@ def read(workdir: str) -> dict | None:
     """The workdir's record ({config, overrides, cwd, command, finished}), None when none."""
     if not workdir:
         return None
+    # a gs:// workdir's store first (once per bucket): one line when it cannot be used (no
+    # bucket, no access, unreachable), not gcsfs's minute of logged retries on the record
+    fs.check_buckets([workdir])
     path = _path(workdir)
     try:
         if not fs.isfile(path):
