@@ -8,9 +8,13 @@ the best `reorder` candidates. Small corpora use exact brute force (see BRUTE_FO
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
+import sys
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -88,6 +92,57 @@ def _scann():
     return scann_ops_pybind
 
 
+# ScaNN's C++ logs through absl straight to file descriptor 2: a k-means tree's build prints
+# INFO lines (the sampled training set's size, how long the partitioner ran) and, at the
+# process's first, absl's notice that logging was not initialised. Neither GLOG_minloglevel,
+# TF_CPP_MIN_LOG_LEVEL nor ABSL_MIN_LOG_LEVEL reaches this pybind build (tried: each still
+# printed them), so the build runs with fd 2 read through a pipe that drops exactly those
+# lines and passes every other line on as it comes (absl's W/E/F lines, Python's own logs).
+_ABSL_NOISE = re.compile(
+    rb"^(I\d{4} [\d:.]+\s+\d+ [\w.-]+:\d+\] "
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called)"
+)
+
+
+@contextlib.contextmanager
+def _without_native_info():
+    """fd 2 through a filter for the duration: absl INFO lines and its uninitialised-logging
+    notice dropped, every other line written on at once (so a fatal error is seen)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 to filter
+        yield
+        return
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            pending = b""
+            while chunk := pipe.read(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if not _ABSL_NOISE.match(line):
+                        os.write(saved, line + b"\n")
+            if pending and not _ABSL_NOISE.match(pending):
+                os.write(saved, pending)
+
+    thread = threading.Thread(target=pump, name="scann-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # fd 2 was the pipe's only write end: the pump reads to its end
+        thread.join(timeout=10)
+        if not thread.is_alive():
+            os.close(saved)
+
+
 def build_searcher(embeddings: np.ndarray, k: int = 10, **params: int) -> Any:
     """Build a dot-product ScaNN searcher over [N, D] embeddings returning `k` neighbours.
 
@@ -98,6 +153,11 @@ def build_searcher(embeddings: np.ndarray, k: int = 10, **params: int) -> Any:
     if db.ndim != 2 or db.shape[0] < 1:
         raise ValueError(f"embeddings must be a non-empty [N, D] matrix, got {db.shape}")
     p = scann_params(db.shape[0], **params)
+    with _without_native_info():
+        return _build(db, k, p)
+
+
+def _build(db: np.ndarray, k: int, p: dict) -> Any:
     builder = _scann().builder(db, k, "dot_product")
     if p["brute_force"]:
         return builder.score_brute_force().build()

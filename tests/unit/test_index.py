@@ -242,6 +242,36 @@ def test_scann_recall_and_round_trip(tmp_path, n, brute):
     np.testing.assert_array_equal(scores2, scores)
 
 
+_SCANN_BUILD = """
+import logging, os, sys
+import numpy as np
+from realm_jax.index import scann as s
+db = np.random.default_rng(0).standard_normal((2000, 16)).astype(np.float32)
+searcher = s.build_searcher(db, k=5, **s.scann_params(2000, brute_force=False))  # a k-means tree
+assert s.search(searcher, db[:2], 5)[0].shape == (2, 5)
+with s._without_native_info():  # what else reaches fd 2 meanwhile is passed on
+    logging.getLogger("realm_jax.test").warning("our warning, kept")
+    os.write(2, b"E0000 00:00:1.0 1 x.cc:1] a native error, kept\\n")
+    os.write(2, b"I0000 00:00:1795943177.628672     405 x.cc:58] native info, dropped\\n")
+print("built")
+"""
+
+
+def test_scann_build_prints_no_native_info():
+    """A ScaNN tree's build (`evaluate --retriever hybrid`, `finetune`'s frozen index) prints
+    none of ScaNN's absl INFO lines nor absl's uninitialised-logging notice; our logs and
+    native warnings and errors still reach stderr."""
+    pytest.importorskip("scann")
+    r = subprocess.run(
+        [sys.executable, "-c", _SCANN_BUILD], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "built", r.stderr[-3000:]
+    for noise in ("absl::InitializeLog", "partitioner_factory_base", "PartitionerFactory ran",
+                  "native info", "I0000"):  # fmt: skip
+        assert noise not in r.stderr, r.stderr[-3000:]
+    assert "our warning, kept" in r.stderr and "a native error, kept" in r.stderr, r.stderr
+
+
 def test_scann_params_scale():
     from realm_jax.index.scann import scann_params
 
