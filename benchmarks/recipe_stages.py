@@ -3,11 +3,13 @@ time and peak resident memory (its process's ru_maxrss, from os.wait4) -> docs/r
 
     python benchmarks/recipe_stages.py [--root runs/recipe] [--corpus FILE] [--questions FILE]
 
-Defaults: the squad recipe's own data (configs/realm.py:squad's corpus and configs/orqa.py:squad's
-questions), so the figures are the SQuAD chain's. Every stage is the README's command as a user
-types it; a finished stage is not run again (its figures are kept in ROOT/stages.json), so an
-interrupted run resumes where it stopped. The evaluation stages also give the held-out exact
-match of the recipe's fine-tuned model reading the dense, BM25 and hybrid top 5.
+The `own` variants (configs/realm.py:own: REALM from all-MiniLM-L6-v2, no ICT;
+configs/orqa.py:own). Defaults: the squad recipe's data (config.squad_files(): SQuAD's
+paragraphs and questions), so the figures are on SQuAD's chain. Every stage is the README's
+command as a user types it; a finished stage is not run again (its figures are kept in
+ROOT/stages.json), so an interrupted run resumes where it stopped. The evaluation stages also
+give the held-out exact match of the recipe's fine-tuned model reading the dense, BM25 and
+hybrid top 5.
 """
 
 from __future__ import annotations
@@ -27,26 +29,23 @@ OUT = os.path.join(REPO, "docs", "recipe.md")
 
 
 def stages(root: str, corpus: str, questions: str) -> list[tuple[str, list[str]]]:
-    c = [f"--config.data.data_dir={root}/data"]
-    if corpus:
-        c.append(f"--config.data.corpus={corpus}")
-    q = (
-        [f"--config.qa.train_file={questions}", f"--config.qa.dev_file={questions}"]
-        if questions
-        else []
-    )
-    realm, ict, qa = f"{root}/realm", f"{root}/ict", f"{root}/qa"
+    from realm_jax.config import squad_files
+
+    corpus, questions = corpus or squad_files()[0], questions or squad_files()[1]
+    c = [f"--config.data.data_dir={root}/data", f"--config.data.corpus={corpus}"]
+    q = [f"--config.qa.train_file={questions}", f"--config.qa.dev_file={questions}"]
+    realm, qa = f"{root}/realm", f"{root}/qa"
     return [
-        ("prepare", ["prepare", "--config", "configs/realm.py:squad", "--workdir", realm, *c]),
-        ("ict", ["ict", "--config", "configs/ict.py:squad", "--workdir", ict, *c]),
+        ("prepare", ["prepare", "--config", "configs/realm.py:own", "--workdir", realm, *c]),
         # train, evaluate and ask: the workdir's recorded config (README: no --config)
-        ("train (REALM)", ["train", "--workdir", realm,
-                           f"--config.model.init_embedders_from_ict={ict}"]),
-        ("finetune", ["finetune", "--config", "configs/orqa.py:squad", "--workdir", qa, *c, *q,
+        ("train (REALM)", ["train", "--workdir", realm]),
+        ("finetune", ["finetune", "--config", "configs/orqa.py:own", "--workdir", qa, *c, *q,
                       f"--config.model.init_from_realm={realm}"]),
+        # the README's `evaluate --workdir` (own's qa.retriever: hybrid), then the other two
+        ("evaluate (hybrid)", ["evaluate", "--workdir", qa]),
         *[
             (f"evaluate --retriever {r}", ["evaluate", "--workdir", qa, "--retriever", r])
-            for r in ("dense", "bm25", "hybrid")
+            for r in ("dense", "bm25")
         ],
         ("ask", ["ask", "--workdir", qa, "Who founded the University of Notre Dame?"]),
     ]  # fmt: skip
@@ -92,9 +91,10 @@ def write(root: str, done: dict, argv: list[str]) -> None:
             )
     text = f"""# The own-corpus recipe, stage by stage
 
-What each stage of the README's own-corpus recipe (the `squad` variants: bert-tiny by hub id,
-ICT, REALM from ICT's embedders, ORQA fine-tuning, evaluation, `ask`) costs on this project's
-machine ({platform.machine()}, {os.cpu_count()} cores, CPU only), run as a user types it:
+What each stage of the README's own-corpus recipe (the `own` variants: REALM from
+all-MiniLM-L6-v2's embedders with bert-tiny's reader, ORQA fine-tuning, evaluation with the
+hybrid retriever, `ask`) costs on this project's machine ({platform.machine()},
+{os.cpu_count()} cores, CPU only), run as a user types it:
 
     python benchmarks/recipe_stages.py {" ".join(argv)}
 
@@ -110,7 +110,7 @@ Peak memory is the stage's process's maximum resident set (ru_maxrss). The machi
 other jobs ran beside some stages, so the minutes are an upper bound. On a GPU: not measured
 (no device was lent to this session).
 
-Held-out exact match of the recipe's fine-tuned model (configs/orqa.py:squad's dev split: the
+Held-out exact match of the recipe's fine-tuned model (configs/orqa.py:own's dev split: the
 held-out articles' questions), reading each retriever's top 5:
 
 | retriever | exact match % | recall@5 % | recall@20 % | questions |
@@ -135,7 +135,8 @@ def main() -> int:
         if name in done and done[name]["rc"] == 0:
             continue
         print(f"$ realm-jax {' '.join(cmd)}", flush=True)
-        slug = name.replace("evaluate --retriever ", "evaluate-").split()[0]
+        slug = name.replace("evaluate --retriever ", "evaluate-").replace(" (hybrid)", "-hybrid")
+        slug = slug.split()[0]
         log = os.path.join(root, slug + ".log")
         done[name] = run(cmd, log)
         print(f"  {done[name]}", flush=True)

@@ -6,7 +6,8 @@ after `prepare`; point REALM's `model.init_embedders_from_ict` at the workdir.
 
 Variants: smoke (the bundled sample, tiny), small, base (ORQA's: batch 4096, lr 1e-4,
 100k steps, BERT-base), squad (the learning recipe, experiments/squad_qa), world (the generated
-world's warm start, docs/tutorial.md).
+world's warm start, docs/tutorial.md). configs/realm.py:own has no ICT stage (its retriever starts
+from a trained sentence embedder): `own` is refused here with a line saying so.
 """
 
 import ml_collections
@@ -22,6 +23,12 @@ INHERITED = config_lib.SHARED_TRAIN_FIELDS + ("train.log_every", "train.eval_bat
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = arg or "smoke"
+    if variant == "own":
+        raise ValueError(
+            "the own recipe has no ICT stage: configs/realm.py:own starts the retriever from "
+            "model.init_retriever_from (a sentence embedder); for ICT on your corpus use "
+            "configs/ict.py:squad --config.data.corpus=FILE"
+        )
     # configs/realm.py's variant (an unknown variant is rejected there)
     c = config_lib.sibling_config(__file__, "realm.py", variant)
     c.task = "ict"  # what `train` runs

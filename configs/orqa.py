@@ -12,7 +12,12 @@ fine-tuned from the tutorial's REALM run runs/world-realm; docs/tutorial.md), sq
 reference result in experiments/squad_qa: SQuAD questions split by held-out article, fine-tuned
 from the squad pre-training recipe's REALM workdir), squad_read (a reading-comprehension
 phase for bert-tiny's reader on the training articles' gold passages, before pre-training and
-fine-tuning: a deviation from REALM and ORQA, whose BERT-base reader needs none; issue 22).
+fine-tuning: a deviation from REALM and ORQA, whose BERT-base reader needs none; issue 22), own
+(the own-corpus recipe, README "On your own corpus": squad's settings on your corpus and your
+questions, which `qa.train_file`/`qa.dev_file` must name, fine-tuned from your REALM run of
+configs/realm.py:own, `model.init_from_realm` (no default: without it, or a
+`model.init_reader_from`, the reader would start from random weights, an error); `evaluate` and
+`ask` answer with the hybrid retriever, `qa.retriever`).
 """
 
 import ml_collections
@@ -34,20 +39,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     q = c.qa = ml_collections.ConfigDict()
     sample = variant == "smoke"
     squad = variant in ("squad", "squad_read")
+    own = variant == "own"  # squad's recipe on the user's corpus and questions
     world = variant == "world"
-    variant = "squad" if read else variant
+    variant = "squad" if (read or own) else variant  # own: squad's numbers below
     qa_file = {
         "smoke": "data/sample/qa.jsonl",
         "squad": config_lib.squad_files()[1],  # the corpus's own questions (configs/realm.py)
         "world": "runs/world/qa.jsonl",  # `realm-jax world --workdir runs/world`
     }.get(variant, "")
+    qa_file = "" if own else qa_file  # own: yours (--config.qa.train_file=... qa.dev_file=...)
     q.train_file = qa_file  # questions to fine-tune on (see `evaluate --help` for formats)
     q.dev_file = qa_file  # questions of the periodic evaluation and `evaluate`'s default
     q.format = "auto"  # auto, nq, squad, squad_json, webquestions, curatedtrec
     # SQuAD-style files with titles split by the prepared data's held-out articles: fine-tune
     # on the others, evaluate on the held-out ones ("none": use every question of the file).
-    q.train_holdout = "train" if (sample or squad or world) else "none"
-    q.dev_holdout = "heldout" if (sample or squad or world) else "none"
+    split = sample or squad or world or own
+    q.train_holdout = "train" if split else "none"
+    q.dev_holdout = "heldout" if split else "none"
     # ORQA: 5000 (of 13M blocks); the world has 1,000
     q.retriever_beam_size = {"smoke": 16, "squad": 100, "world": 100}.get(variant, 5000)
     q.reader_beam_size = 3 if sample else 5  # blocks read per question (ORQA: 5)
@@ -69,7 +77,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # squad: 4, chosen on 1,000 training-article questions with the ICT retriever (zero-shot
     # recall@5 / @20: weight 0.5 67.6 / 79.7, 1 77.5 / 87.4, 2 81.3 / 89.9, 4 82.4 / 90.6,
     # 8 82.0 / 90.3; BM25 alone 80.1 / 89.5): experiments/second_retriever/README.md
-    q.hybrid_bm25_weight = 4.0 if squad else 1.0  # BM25's weight in the hybrid score
+    # (own: the same 4, with which experiments/trusted_start scores MiniLM's hybrid)
+    q.hybrid_bm25_weight = 4.0 if (squad or own) else 1.0  # BM25's weight in the hybrid score
+    # the retriever `evaluate` and `ask` (and realm_jax.load's answer and retrieve) use when
+    # not told (--retriever): own answers with the hybrid, which was at or above BM25 on every
+    # SQuAD figure (docs/recipe.md); the others with the fine-tuned dense retriever (ORQA's)
+    q.retriever = "hybrid" if own else "dense"  # dense, bm25 or hybrid
     # the retriever of finetune's periodic dev evaluation (and so of the best checkpoint kept):
     # dense (ORQA's), bm25 or hybrid; training itself reads the dense top blocks (ORQA's loss)
     q.dev_retriever = "dense"  # dense, bm25 or hybrid (above)
@@ -80,15 +93,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # from the frozen index, the retriever loss unchanged), so the small reader gets a
     # supervised read on every question instead of the ~30% whose answer the dense top R
     # happens to hold (issue 22). Questions without a gold passage (NQ files) are unaffected.
-    q.gold_in_beam = squad
+    q.gold_in_beam = squad or own
     # the frozen index `finetune` publishes once serves `ask` and `evaluate` on the host
     c.refresh.build_scann = True  # with a ScaNN searcher (configs/realm.py: off for pre-training)
 
     m = c.model
     m.init_embedders_from_ict = ""
-    if squad or world:  # the pre-training recipe's REALM run: all three networks
+    if squad or world or own:  # the pre-training recipe's REALM run: all three networks
         m.init_embedder_from = m.init_reader_from = ""
-        m.init_from_realm = "runs/world-realm" if world else "runs/squad"
+        m.init_from_realm = {"world": "runs/world-realm", "own": ""}.get(c.variant, "runs/squad")
     # (the world's ICT-only baseline, ORQA's start: --config.model.init_from_realm=
     # --config.model.init_embedders_from_ict=runs/world-ict
     # --config.model.init_reader_from=google/bert_uncased_L-2_H-128_A-2)

@@ -327,12 +327,21 @@ class Model:
             )
         return self._bm25
 
-    def retrieve(self, questions, k: int = 5, retriever: str = "dense"):
+    def _retriever(self, retriever):
+        """The one given, else the workdir config's qa.retriever (configs/orqa.py:own: hybrid),
+        else dense; checked."""
+        if retriever is None:
+            qa = self.config.get("qa", None)
+            retriever = qa.get("retriever", "dense") if qa is not None else "dense"
+        return validation.retriever(retriever)
+
+    def retrieve(self, questions, k: int = 5, retriever: str | None = None):
         """The top k blocks of each question (or masked sentence): [Hit] for a string,
-        [[Hit]] for a list. retriever: dense, bm25 or hybrid (module docstring)."""
+        [[Hit]] for a list. retriever: dense, bm25 or hybrid (module docstring); None: the
+        config's qa.retriever (dense where it has none)."""
         qs, single = validation.questions(questions)
         k = validation.top_k(k, "k")
-        retriever = validation.retriever(retriever)
+        retriever = self._retriever(retriever)
         ids, scores = self._search(qs, k, retriever)
         out = [[self._hit(i, s) for i, s in zip(r, t, strict=True)] for r, t in zip(ids, scores)]
         return out[0] if single else out
@@ -360,9 +369,10 @@ class Model:
         return np.stack(ids), np.stack(scores)
 
     # ----------------------------------------------------------------------------- answers
-    def answer(self, questions, retriever: str = "dense", batch_size: int = 8):
+    def answer(self, questions, retriever: str | None = None, batch_size: int = 8):
         """The reader's answer to each question, with the blocks it read (qa.reader_beam_size
-        of them): an Answer for a string, [Answer] for a list. Fine-tuned workdirs only."""
+        of them): an Answer for a string, [Answer] for a list. Fine-tuned workdirs only.
+        retriever: as retrieve's (None: the config's qa.retriever)."""
         if not self.is_qa:
             raise ValueError(
                 f"{self.workdir} is a pre-training workdir ({self.config.task}): its reader "
@@ -370,7 +380,7 @@ class Model:
                 "that workdir, or use retrieve()"
             )
         qs, single = validation.questions(questions)
-        retriever = validation.retriever(retriever)
+        retriever = self._retriever(retriever)
         batch_size = validation.top_k(batch_size, "batch_size")
         from realm_jax.qa.answers import QAExample
         from realm_jax.qa.commands import open_predictor
@@ -404,7 +414,7 @@ def ask_command(config, args) -> int:
         raise ValueError("give a question (interactive mode needs a QA config)")
     question = validation.question(" ".join(args.question))
     top_k = validation.top_k(args.top_k, "--top_k")
-    retriever = validation.retriever(getattr(args, "retriever", "dense"))
+    retriever = validation.retriever(getattr(args, "retriever", None) or "dense")
     if retriever == "dense":
         hits = ask(config, args.workdir, question, top_k)
     else:

@@ -196,23 +196,25 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument(
                 "--retriever",
                 choices=("dense", "bm25", "hybrid"),
-                default="dense",
+                default=None,
                 help="QA: the fine-tuned retriever over the frozen index, BM25 (bm25s) over "
                 "the same blocks, or hybrid (both top lists joined and rescored: dense + "
-                "qa.hybrid_bm25_weight x BM25); the same reader reads any",
+                "qa.hybrid_bm25_weight x BM25); the same reader reads any. Default: the "
+                "config's qa.retriever (dense; configs/orqa.py:own hybrid), else dense",
             )
         if name == "evaluate":
             s.add_argument(
                 "--retriever",
                 choices=("dense", "bm25", "hybrid", "gold"),
-                default="dense",
+                default=None,
                 help="QA: the fine-tuned retriever over the frozen index, BM25 (bm25s) over "
                 "the same blocks, hybrid (both top lists joined and rescored: dense + "
                 "qa.hybrid_bm25_weight x BM25), or gold: no retrieval, the reader reads each "
                 "question's gold "
                 "passage (SQuAD-style questions with a gold_passage field; its blocks repeated "
                 "to fill the reader beam; questions without one are counted as gold_missing "
-                "and scored wrong): the reader's exact match alone. The same reader reads all",
+                "and scored wrong): the reader's exact match alone. The same reader reads all. "
+                "Default: the config's qa.retriever (dense; configs/orqa.py:own hybrid)",
             )
             s.add_argument(
                 "--questions",
@@ -426,6 +428,13 @@ def _resolve_config(args, overrides: list[str]):
     return config
 
 
+def default_retriever(config) -> str:
+    """`evaluate` and `ask`'s retriever when --retriever is not given: the config's
+    qa.retriever (configs/orqa.py: dense, own's hybrid), dense for a config without one."""
+    qa = config.get("qa", None)
+    return str(qa.get("retriever", "dense")) if qa is not None else "dense"
+
+
 def _is_process_0(args) -> bool:
     if args.multihost:
         import jax
@@ -450,6 +459,8 @@ def _run(args, overrides: list[str]) -> int:
     if note:  # model.init_retriever_from's fields
         print(f"realm-jax {args.command}: {note}", file=sys.stderr)
     validate(config)  # every value, before any work
+    if getattr(args, "retriever", "") is None:  # evaluate, ask without --retriever
+        args.retriever = default_retriever(config)
     from realm_jax import fs
 
     fs.check_buckets([args.workdir, *fs.urls_in(config.to_dict())])  # every gs:// bucket named

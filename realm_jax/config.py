@@ -57,6 +57,9 @@ def _load_module(path: str):
 # bert-tiny (Turc et al. 2019, 2 layers, 128 wide) by its HuggingFace hub id, fetched once into
 # the HuggingFace cache (interop/hub.py); every model option takes a folder or an id.
 BERT_TINY = "google/bert_uncased_L-2_H-128_A-2"
+# all-MiniLM-L6-v2 (sentence-transformers, 6 layers, 384 wide, bert-base-uncased's vocabulary) by
+# hub id: the own-corpus recipe's retriever start (configs/realm.py:own, model.init_retriever_from)
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 # SQuAD v1.1's training set (CC BY-SA 4.0), SQuAD's own JSON: the corpus (its paragraphs) and
 # the questions of the squad chain, downloaded once (data/download.py, data/squad_json.py)
 SQUAD_TRAIN_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset/train-v1.1.json"
@@ -260,6 +263,7 @@ CHOICES = {
     "train.imitation_negatives": ("candidates", "positives"),  # pretrain/step.py imitation_term
     "ict.positives": ("own_block", "bm25"),
     "qa.dev_retriever": ("dense", "bm25", "hybrid"),
+    "qa.retriever": ("dense", "bm25", "hybrid"),
     "data.eval_split_key": ("title", "doc_id"),
     "data.engine": ("auto", "local", "beam"),
     "refresh.mode": ("external", "inprocess", "amortized"),
@@ -423,6 +427,25 @@ def _lockstep_problems(config) -> list[str]:
         f"refresh.lockstep=True needs train.checkpoint_every ({ckpt}) to divide refresh.every "
         f"({every}): the trainer waits at every refresh.every steps for that step's index"
     ]
+
+
+def check_reader_start(config: ml_collections.ConfigDict) -> None:
+    """A fresh fine-tuning run (configs/orqa.py) whose embedders start from a sentence embedder
+    (model.init_retriever_from) must start its reader from something: a ConfigError naming
+    model.init_from_realm and model.init_reader_from when both are empty (configs/orqa.py:own
+    leaves init_from_realm to the user). Not part of validate(): `evaluate --retrieval_only
+    --checkpoint initial` scores such a retriever with no reader at all."""
+    retriever = _get(config, "model.init_retriever_from")
+    starts = [_get(config, f"model.{k}") for k in ("init_from_realm", "init_reader_from")]
+    if retriever in (_MISSING, "") or any(x not in (_MISSING, "") for x in starts):
+        return
+    raise ConfigError(
+        "model.init_from_realm and model.init_reader_from are both empty: fine-tuning would "
+        "start the reader from random weights beside the retriever of "
+        f"model.init_retriever_from={retriever}; give --config.model.init_from_realm=<your "
+        "REALM workdir> (the own recipe), or --config.model.init_reader_from=<a BERT folder or "
+        f"hub id, e.g. {BERT_TINY}> to fine-tune without REALM"
+    )
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

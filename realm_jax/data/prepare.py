@@ -75,6 +75,11 @@ def _hash_file(h, path: str) -> None:
 def fingerprint(data) -> str:
     """sha256 of the input files' contents, the vocab and the fields that shape the output."""
     h = hashlib.sha256(f"realm-jax-prepare-v{FORMAT_VERSION}".encode())
+    if not data.corpus:
+        raise corpus_lib.CorpusError(
+            "data.corpus is empty: name the corpus to prepare, e.g. "
+            "--config.data.corpus=my_corpus.jsonl (configs/realm.py:own has no default corpus)"
+        )
     for field in ("corpus", "sentences"):
         src = data[field]
         if field == "sentences" and realm_records.is_release_text(src):  # a glob too

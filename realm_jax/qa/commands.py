@@ -146,6 +146,11 @@ def finetune(config, args) -> int:
             file=sys.stderr,
         )
         return 2
+    ckpts = paths.checkpoint_dir(args.workdir)
+    if not (fs.isdir(ckpts) and any(n.isdigit() for n in fs.listdir(ckpts))):  # a fresh run
+        from realm_jax.config import check_reader_start
+
+        check_reader_start(config)  # a sentence embedder's retriever beside a random reader
     train(config, args.workdir)
     return 0
 
@@ -276,6 +281,8 @@ def evaluate(config, args) -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "retriever", None) is None:  # not given: the config's (cli.py too)
+        args.retriever = config.qa.get("retriever", "dense")
     args.checkpoint = validation.checkpoint(args.checkpoint, CHECKPOINTS)  # before any work
     if args.limit < 0:
         raise validation.InputError(f"--limit must be 0 (every question) or more, got {args.limit}")
@@ -382,6 +389,8 @@ def ask(config, args) -> int:
     """`realm-jax ask` with a QA config: the predicted answer span and the blocks it read;
     with no question, an interactive prompt (one question a line, empty line or EOF ends)."""
     validation.top_k(args.top_k, "--top_k")
+    if getattr(args, "retriever", None) is None:  # not given: the config's (cli.py too)
+        args.retriever = config.qa.get("retriever", "dense")
     validation.retriever(args.retriever)
     question = " ".join(args.question)
     if args.question:

