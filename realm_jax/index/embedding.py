@@ -118,17 +118,7 @@ def embed_blocks_in_parts_fn(model, mesh: Mesh, batch_size: int, dtype=None, par
         chunk, size, _ = _parts_plan(n, n_dev, batch_size, parts)
         start = jnp.minimum(j * size, per_dev - size)
         piece = jax.lax.dynamic_slice_in_dim(tokens.reshape(n_dev, per_dev, -1), start, size, 1)
-        t = piece.reshape(n_dev, size // chunk, chunk, -1).transpose(1, 0, 2, 3)
-
-        def one(_, tc):  # tc [n_dev, chunk, Lb]: embed_blocks_fn's step
-            flat = jax.lax.with_sharding_constraint(tc.reshape(n_dev * chunk, -1), rows)
-            e = embed_block_tokens(model, params, flat).astype(emb.dtype)
-            return None, e.reshape(n_dev, chunk, -1)
-
-        _, new = jax.lax.scan(one, None, t)  # [size // chunk, n_dev, chunk, D]
-        new = new.transpose(1, 0, 2, 3).reshape(n_dev, size, -1)
-        out = jax.lax.dynamic_update_slice_in_dim(emb.reshape(n_dev, per_dev, -1), new, start, 1)
-        return out.reshape(n, -1)
+        return _embed_rows_into(model, params, piece, emb, start, chunk, rows)
 
     part_fn = sharding.traced_in_mesh(jax.jit(part, out_shardings=rows, donate_argnums=2), mesh)
 
@@ -228,17 +218,7 @@ def slice_embed_fn(model, mesh: Mesh, every: int, batch_size: int = 0):
         chunk = min(batch_size or size, size)
         while size % chunk:
             chunk -= 1
-        t = piece.reshape(n_dev, size // chunk, chunk, -1).transpose(1, 0, 2, 3)
-
-        def one(_, tc):  # tc [n_dev, chunk, Lb]
-            flat = jax.lax.with_sharding_constraint(tc.reshape(n_dev * chunk, -1), rows)
-            e = embed_block_tokens(model, params, flat).astype(emb.dtype)
-            return None, e.reshape(n_dev, chunk, -1)
-
-        _, new = jax.lax.scan(one, None, t)  # [size // chunk, n_dev, chunk, D]
-        new = new.transpose(1, 0, 2, 3).reshape(n_dev, size, -1)
-        out = jax.lax.dynamic_update_slice_in_dim(emb.reshape(n_dev, per_dev, -1), new, start, 1)
-        return out.reshape(n, -1)
+        return _embed_rows_into(model, params, piece, emb, start, chunk, rows)
 
     return sharding.traced_in_mesh(jax.jit(embed, out_shardings=rows), mesh)
 
@@ -284,3 +264,23 @@ def abstract_params(config, mesh: Mesh, name: str):
     boxed = jax.eval_shape(lambda r: model.init(r, *inputs)["params"], jax.random.key(0))
     shard = sharding.logical_shardings(mesh, boxed, config.mesh.get("fsdp", False))
     return model, checkpoint.abstract_like(nn.meta.unbox(boxed)[name], shard[name])
+
+
+def _embed_rows_into(model, params, piece, emb, start, chunk, rows):
+    """Embed `piece` [n_dev, size, Lb] (each device's `size` rows from its row `start`) in a
+    scan of [n_dev * chunk] calls and write the embeddings into `emb` [n, D] at those rows (the
+    step embed_blocks_fn's slices and embed_blocks_in_parts_fn's parts share)."""
+    n_dev, size = piece.shape[0], piece.shape[1]
+    n = emb.shape[0]
+    per_dev = n // n_dev
+    t = piece.reshape(n_dev, size // chunk, chunk, -1).transpose(1, 0, 2, 3)
+
+    def one(_, tc):  # tc [n_dev, chunk, Lb]
+        flat = jax.lax.with_sharding_constraint(tc.reshape(n_dev * chunk, -1), rows)
+        e = embed_block_tokens(model, params, flat).astype(emb.dtype)
+        return None, e.reshape(n_dev, chunk, -1)
+
+    _, new = jax.lax.scan(one, None, t)  # [size // chunk, n_dev, chunk, D]
+    new = new.transpose(1, 0, 2, 3).reshape(n_dev, size, -1)
+    out = jax.lax.dynamic_update_slice_in_dim(emb.reshape(n_dev, per_dev, -1), new, start, 1)
+    return out.reshape(n, -1)
