@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared argument checks of tpu/launch.sh and tpu/refresh_slice.sh (sourced; each defines die).
 
 # check_workdir_and_spec WORKDIR SPEC: a gs://BUCKET/FOLDER or an absolute path on a

@@ -19,7 +19,7 @@
 #                  (setsid nohup, CPU), its log copied to WORKDIR/logs/prepare.log every minute
 #                  and at the end (last line `exit status N`); returns at once with the commands
 #                  to follow it. Start training afterwards with the same command without
-#                  --prepare. With --wait (tpu/sweep.sh) it runs in the foreground, then trains.
+#                  --prepare. With --wait it runs in the foreground, then trains.
 #                  PREPARE_FLAGS adds prepare flags (e.g. --overwrite)
 #   --runner R     with --prepare: local (default: on worker 0's cores, Beam's DirectRunner or
 #                  in process as data.engine decides) or dataflow: Beam's DataflowRunner, its
@@ -36,7 +36,12 @@
 #   --no-refresh   start no refresh job (automatic with --config.refresh.mode=inprocess or
 #                  amortized, and for an ICT or QA fine-tuning config: neither reads a
 #                  refreshed index)
-#   --wait         run the trainers in the foreground, then stop the refresher (tpu/sweep.sh)
+#   --env NAME=VALUE  export NAME=VALUE in every trainer process on every worker (not in the
+#                  refresher's, nor prepare's); repeatable. NAME is [A-Z_][A-Z0-9_]*, VALUE any
+#                  text (quoted for the remote shell): the sweep passes each trial its link to
+#                  the study this way (REALM_JAX_TRIAL, JSON)
+#   --wait         run the trainers in the foreground, then stop the refresher (the sweep's
+#                  trials: tpu/sweep.sh)
 #   --stop         send SIGTERM to this run's trainers and refresher (trainers checkpoint first)
 #   --dry-run      print the gcloud commands instead of running them
 # Every worker runs one `python -m realm_jax train --multihost` process (jax.distributed
@@ -63,6 +68,7 @@ WORKER_ID='$(curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/
 REFRESH_PLATFORMS=${REFRESH_PLATFORMS:-cpu}
 
 run_name='' prepare=0 runner='' refresh=1 slice=0 wait=0 stop=0 dry_run=0 pos=() overrides=()
+exports=''  # `export NAME=VALUE && ` for each --env, quoted for the workers' shell
 while (( $# )); do
   case "$1" in
     -h|--help) usage ;;
@@ -71,6 +77,11 @@ while (( $# )); do
     --runner) (( $# >= 2 )) || die "--runner needs local or dataflow"; runner=$2; shift ;;
     --refresh-slice) slice=1 ;;
     --no-refresh) refresh=0 ;;
+    --env)
+      (( $# >= 2 )) || die "--env needs NAME=VALUE"
+      [[ "$2" == *=* && "${2%%=*}" =~ ^[A-Z_][A-Z0-9_]*$ ]] ||
+        die "--env needs NAME=VALUE with NAME in [A-Z_][A-Z0-9_]*, got '${2%%=*}'"
+      exports+="export ${2%%=*}=$(printf '%q' "${2#*=}") && "; shift ;;
     --wait) wait=1 ;;
     --stop) stop=1 ;;
     --dry-run) dry_run=1 ;;
@@ -247,7 +258,7 @@ stop_refresher() {
 # command itself goes to the background, its output redirected, so that the ssh session ends at
 # once. (`setup && cmd > log &` backgrounds the whole list in a subshell that keeps the
 # session's stdout open until cmd ends, and runs W=... and mkdir there, not before `echo $!`.)
-train="cd $REMOTE_DIR && mkdir -p $logs && W=$WORKER_ID && log=$logs/train-w\$W.log"
+train="cd $REMOTE_DIR && mkdir -p $logs && ${exports}W=$WORKER_ID && log=$logs/train-w\$W.log"
 if (( wait )); then
   echo "training on all workers (foreground; logs $logs/train-w*.log)"
   set +e

@@ -20,7 +20,9 @@ if [[ "${1:-}" == --every ]]; then
   [[ "${2:-}" =~ ^[0-9]+$ ]] || die "--every needs whole seconds"
   every=$2; shift 2
 fi
-(( $# >= 4 )) && [[ "$3" == -- ]] || die "usage: tpu/run_logged.sh [--every SECONDS] LOG LOG_URL -- COMMAND [ARG...]"
+if (( $# < 4 )) || [[ "$3" != -- ]]; then
+  die "usage: tpu/run_logged.sh [--every SECONDS] LOG LOG_URL -- COMMAND [ARG...]"
+fi
 log=$1 url=$2
 shift 3
 python=${PYTHON:-.venv/bin/python}

@@ -1,9 +1,10 @@
 """tpu/launch.sh, tpu/refresh_slice.sh and tpu/sweep.sh with --dry-run: the gcloud commands they
 would run, for gs:// workdirs (no gcsfuse mount) and shared-filesystem paths, and the arguments
 they refuse (the refresh job on its own slice; --prepare detached, on Dataflow, and refused
-without the user's corpus); launch.sh --prepare run for real against a gcloud that runs the ssh
-command here (it returns at once, the log reaches WORKDIR); and tpu/sweep.sh run for real against
-a fake gcloud, its DONE/FAILED markers on a gs:// prefix (fake-gcs-server) and on a local one."""
+without the user's corpus; --env's names; the sweep's storage, prefix and slices); launch.sh run
+for real against a gcloud that runs the ssh command here (--prepare returns at once and its log
+reaches WORKDIR; --env reaches the trainers, JSON intact, and not the refresher); and
+tpu/sweep.sh's study command, printed and run (against a fake gcloud and python)."""
 
 import glob
 import json
@@ -24,6 +25,7 @@ SCRIPT_ENV = (
     "LAUNCH_FLAGS", "REFRESH_PLATFORMS", "REFRESH_TPU_NAME", "REFRESH_ZONE",
     "REFRESH_ACCELERATOR_TYPE", "REFRESH_RUNTIME_VERSION", "PREPARE_FLAGS", "DATAFLOW_PROJECT",
     "DATAFLOW_REGION", "DATAFLOW_TEMP_LOCATION", "DATAFLOW_OPTIONS", "CLOUDSDK_CORE_PROJECT",
+    "REALM_JAX_TRIAL",
 )  # fmt: skip
 
 
@@ -225,12 +227,11 @@ def test_launch_refresh_slice_refuses_a_trainer_that_refreshes_itself(args, mess
 
 def test_launch_prepare_without_a_corpus_is_one_line():
     """The config's corpus is the bundled sample: --prepare refuses it unless named."""
-    for script, spec in ((LAUNCH, "configs/realm.py:base"), (SWEEP, "configs/realm.py")):
-        r = _run(script, "--dry-run", "--prepare", "tpu1", "z", WD, spec)
-        assert r.returncode == 2 and r.stdout == "", r.stdout
-        (line,) = r.stderr.splitlines()
-        assert "--prepare needs your corpus: add --config.data.corpus=" in line
-        assert "408-passage sample" in line
+    r = _run(LAUNCH, "--dry-run", "--prepare", "tpu1", "z", WD, "configs/realm.py:base")
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert "--prepare needs your corpus: add --config.data.corpus=" in line
+    assert "408-passage sample" in line
     r = _run(
         LAUNCH, "--dry-run", "--prepare", "tpu1", "z", WD, "configs/realm.py:base",
         "--config.data.corpus=data/sample/corpus.jsonl",
@@ -301,8 +302,9 @@ def test_launch_prepare_on_dataflow():
 
 
 # A gcloud that runs each `ssh --command=...` here, in a fake home whose ~/realm-jax has the real
-# tpu/ scripts and a .venv/bin/python whose `-m realm_jax COMMAND` runs until a release file
-# appears (or SIGTERM); a curl that fails (no metadata server: the worker id is the hostname).
+# tpu/ scripts and a .venv/bin/python whose `-m realm_jax COMMAND` prints REALM_JAX_TRIAL when set
+# and runs until a release file appears (or SIGTERM); a curl that fails (no metadata server: the
+# worker id is the hostname).
 EXEC_GCLOUD = """#!{python}
 import os, subprocess, sys
 command = next(a for a in sys.argv if a.startswith("--command=")).removeprefix("--command=")
@@ -313,6 +315,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 if [ "$1 $2" = "-m realm_jax" ]; then
   trap 'echo "$3 stopped"; exit 0' TERM
   echo "$3 started: $*"
+  [ -z "${{REALM_JAX_TRIAL+set}}" ] || printf 'REALM_JAX_TRIAL=%s\\n' "$REALM_JAX_TRIAL"
   for i in $(seq 600); do [ -e "$RELEASE" ] && break; sleep 0.1; done
   echo "$3 done"; exit 0
 fi
@@ -341,6 +344,26 @@ def exec_pod(tmp_path):
     )  # fmt: skip
     yield env, home / "realm-jax", release
     release.touch()  # whatever a failed test left running ends
+
+
+BUCKET = "realm-test"
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """fake-gcs-server for the module, its environment set here (the scripts inherit it)."""
+    from tests.support import fake_gcs
+
+    if fake_gcs.binary() is None:
+        pytest.skip("fake-gcs-server is not installed: the gs:// prepare test needs a local GCS")
+    with fake_gcs.FakeGCS(buckets=(BUCKET,)) as server, pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env.items():
+            mp.setenv(key, value)
+        import gcsfs  # after the environment: it reads some of it when first imported
+
+        gcsfs.GCSFileSystem.clear_instance_cache()
+        yield server
+        gcsfs.GCSFileSystem.clear_instance_cache()
 
 
 def _alive(pid: int) -> bool:
@@ -506,151 +529,213 @@ def test_launch_refuses_bad_workdirs(workdir, message):
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
 
 
-def test_sweep_dry_run_with_a_gcs_prefix():
-    r = _run(SWEEP, "--dry-run", "tpu1", "z", "gs://my-bucket/sweeps/lr/", "configs/realm.py")
+# ------------------------------------------------- tpu/launch.sh --env
+
+# A trial link as the sweep's worker passes it: quotes, braces, colons, slashes, and characters
+# a shell would act on unquoted ($, `, ', &, ;, a newline).
+TRIAL = json.dumps(
+    {"storage": "postgresql://u:p@db.example:5432/optuna?sslmode=require&x=$HOME",
+     "study": "lr's `x`; ok", "trial_id": 7, "objective": "eval/recall_at_5",
+     "direction": "maximize", "retry_s": 300, "n": "a\nb"}
+)  # fmt: skip
+
+
+def _exported(command: str) -> dict:
+    """What the `export NAME=VALUE` words of a printed --command set, as bash reads them."""
+    exports = [part for part in command.split(" && ") if part.startswith("export ")]
+    script = "".join(f"{e}; " for e in exports) + "env -0"
+    out = subprocess.run(
+        ["env", "-i", "bash", "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    env = dict(x.split("=", 1) for x in out.split("\0") if "=" in x)
+    return {k: v for k, v in env.items() if k not in ("PWD", "SHLVL", "_", "OLDPWD")}
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_launch_env_reaches_the_trainers_command_only(wait):
+    """--env NAME=VALUE (repeatable): exported in the trainers' command on every worker, the
+    value intact through two rounds of quoting (local printf %q, the workers' shell); not in
+    the refresher's command."""
+    r = _run(
+        LAUNCH, "--dry-run", *(["--wait"] * wait), "--env", f"REALM_JAX_TRIAL={TRIAL}",
+        "--env", "B_2=x=y", "tpu1", "z", WD, "configs/realm.py:base",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    lines = [_words(x) for x in r.stdout.splitlines() if x.strip()]
-    assert lines, "no sweep points printed"
-    for words in lines:
-        assert words[0] == LAUNCH and words[1:3] == ["--wait", "--run"]
-        point = words[3]
-        assert f"gs://my-bucket/sweeps/lr/{point}" in words  # WORKDIR_PREFIX/P, one slash
+    lines = _ssh_lines(r.stdout)
+    refresh, train = (_flag(w, "--command") for w in lines[:2])
+    assert "--worker=all" in lines[1] and "realm_jax train" in train
+    assert _exported(train) == {"REALM_JAX_TRIAL": TRIAL, "B_2": "x=y"}
+    assert json.loads(_exported(train)["REALM_JAX_TRIAL"])["trial_id"] == 7
+    assert "realm_jax refresh" in refresh and "REALM_JAX_TRIAL" not in refresh
+    assert _exported(refresh) == {}
 
 
-def test_sweep_refuses_a_relative_prefix():
-    r = _run(SWEEP, "--dry-run", "tpu1", "z", "sweeps/lr", "configs/realm.py")
-    assert r.returncode == 2 and "gs://BUCKET/... or an absolute path" in r.stderr
+@pytest.mark.parametrize("value", ["bad=1", "1X=1", "A-B=1", "NOVALUE", "=1"])
+def test_launch_env_refuses_a_bad_name(value):
+    r = _run(LAUNCH, "--dry-run", "--env", value, "tpu1", "z", WD, "configs/realm.py:base")
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert "--env needs NAME=VALUE with NAME in [A-Z_][A-Z0-9_]*" in line
+    r = _run(LAUNCH, "--dry-run", "tpu1", "z", WD, "configs/realm.py:base", "--env")
+    assert r.returncode == 2 and "--env needs NAME=VALUE" in r.stderr
 
 
-# ------------------------------------------------- tpu/sweep.sh's markers on a gs:// prefix
+def test_launch_env_arrives_in_the_trainers_environment(exec_pod, tmp_path):
+    """For real, with a gcloud that runs the ssh command in bash here: the trainer process sees
+    REALM_JAX_TRIAL as given, the refresher does not see it."""
+    env, repo, release = exec_pod
+    release.touch()  # the fake trainer and refresher end at once
+    r = subprocess.run(
+        ["bash", LAUNCH, "--wait", "--env", f"REALM_JAX_TRIAL={TRIAL}", "tpu1", "z",
+         str(tmp_path / "shared" / "t7"), "configs/realm.py:base"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    logs = repo / "logs" / "t7"
+    train = (logs / f"train-w{os.uname().nodename}.log").read_text()
+    assert train.split("REALM_JAX_TRIAL=", 1)[1].split("\ntrain done")[0] == TRIAL
+    assert _wait_for(lambda: "refresh done" in (logs / "refresh.log").read_text(), 30)
+    assert "REALM_JAX_TRIAL" not in (logs / "refresh.log").read_text()
 
-BUCKET = "realm-test"
-SPEC = "configs/ict.py"  # 4 points: mask_rate 0.9/1.0 x lr 1e-4/3e-4
-SKIPPED, FAILING, STOPPED, FINISHING = (
-    "mask_rate=0.9,lr=0.0001",
-    "mask_rate=0.9,lr=0.0003",
-    "mask_rate=1.0,lr=0.0001",
-    "mask_rate=1.0,lr=0.0003",
-)
 
-# Stands in for gcloud on PATH: the `ssh --command=...` that would train a point on the pod
-# writes what the trainers would (WORKDIR/metrics.json, through realm_jax.fs) and exits as
-# they would: FAILING fails, STOPPED is stopped early (SIGTERM: exit 0 before train.steps),
-# every other point finishes.
-FAKE_GCLOUD = """#!{python}
-import json, os, shlex, sys
-from realm_jax import fs
-with open(os.environ["FAKE_GCLOUD_LOG"], "a") as f:
-    f.write(shlex.join(sys.argv[1:]) + "\\n")
-command = next(a for a in sys.argv if a.startswith("--command=")).removeprefix("--command=")
-words = shlex.split(command)
-workdir = words[words.index("--workdir") + 1]
-if workdir.endswith("/{failing}"):
-    sys.exit(3)
-step = 2 if workdir.endswith("/{stopped}") else 4
-metrics = dict(step=step, steps=4, complete=step == 4, train=dict(loss=1.5))
-if fs.is_remote(workdir) or os.path.isdir(workdir):  # else mounted on the pod only
-    fs.write_text(fs.join(workdir, "metrics.json"), json.dumps(metrics))
+# ------------------------------------------------- tpu/sweep.sh: the study on TPU slices
+
+GRPC = "grpc://10.1.2.3:13000"
+
+
+def _sweep_words(stdout: str) -> list[str]:
+    (line,) = stdout.splitlines()
+    return _words(line)
+
+
+@pytest.mark.parametrize("prefix", ["gs://my-bucket/sweeps/lr", "/mnt/nfs/sweeps/lr"])
+def test_sweep_dry_run_prints_the_study_command(prefix):
+    """One Optuna worker per slice: `realm_jax sweep --tpu SLICES --workers <slices>`, with the
+    storage, the trial budget, the study and the overrides as given."""
+    slices = "realm-a:us-central2-b,realm-b:europe-west4-a"
+    r = _run_env(
+        {"PYTHON": "/opt/py/bin/python3"}, SWEEP, "--dry-run", "--storage", GRPC, "--trials", "12",
+        "--study", "lr1", prefix + "/", "configs/realm.py:base", slices, "--config.train.steps=200",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert _sweep_words(r.stdout) == [
+        "/opt/py/bin/python3", "-m", "realm_jax", "sweep", "--config", "configs/realm.py:base",
+        "--workdir", prefix, "--storage", GRPC, "--tpu", slices, "--workers", "2",
+        "--trials", "12", "--study", "lr1", "--config.train.steps=200",
+    ]  # fmt: skip
+
+    url = "postgresql+psycopg2://optuna:hunter2@db.example:5432/sweeps"
+    r = _run(SWEEP, "--dry-run", "--storage", url, prefix, "configs/ict.py", "t1:us-east5-a")
+    assert r.returncode == 0, r.stderr
+    words = _sweep_words(r.stdout)
+    assert words[1:] == [
+        "-m", "realm_jax", "sweep", "--config", "configs/ict.py", "--workdir", prefix,
+        "--storage", "postgresql+psycopg2://optuna:***@db.example:5432/sweeps",
+        "--tpu", "t1:us-east5-a", "--workers", "1",
+    ]  # fmt: skip
+    assert "hunter2" not in r.stdout + r.stderr  # a password is never printed
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "--storage is required"),
+        (["--storage", "sqlite:////tmp/study.db"], "is a file on this machine"),
+        (["--storage", "postgresql://u:p@localhost/db"], "names localhost, which on each TPU VM"),
+        (["--storage", "mysql://u@127.0.0.1:3306/db"], "names 127.0.0.1, which on each TPU VM"),
+        (["--storage", "postgresql:///db"], "names no host"),
+        (["--storage", "grpc://proxy-host"], "must be postgresql://USER:PASSWORD@HOST/DB"),
+        (["--storage", "redis://h/0"], "must be postgresql://USER:PASSWORD@HOST/DB"),
+        ([GRPC, "--trials", "0"], "--trials must be a positive whole number"),
+        ([GRPC, "--study", "my study"], "--study 'my study'"),
+        ([GRPC, "sweeps/lr"], "PREFIX must be gs://BUCKET/FOLDER or an absolute path"),
+        ([GRPC, "gs://my-bucket"], "PREFIX must be gs://BUCKET/FOLDER (a folder inside"),
+        ([GRPC, "SPEC", "/abs/configs/realm.py"], "CONFIG_FILE must be relative to the repo root"),
+        ([GRPC, "SPEC", "configs/nope.py"], "config file not found"),
+        ([GRPC, "SLICES", "tpu1"], "slice 'tpu1' must be NAME:ZONE"),
+        ([GRPC, "SLICES", "tpu1:z"], "slice 'tpu1:z' must be NAME:ZONE"),
+        ([GRPC, "SLICES", "Tpu1:us-central2-b"], "slice 'Tpu1:us-central2-b' must be NAME:ZONE"),
+        ([GRPC, "SLICES", "a:us-central2-b,"], "with no empty entry"),
+        ([GRPC, "SLICES", "a:us-central2-b,a:us-east5-a"], "slice a is named twice"),
+        ([GRPC, "--config.train.lr"], "must be --config.section.field=value"),
+        ([GRPC, "--workers", "2"], "unknown option --workers"),
+    ],
+)  # fmt: skip
+def test_sweep_refuses_bad_arguments(args, message):
+    """One line, exit 2, nothing printed or run. GRPC stands for `--storage GRPC`; a bare prefix,
+    SPEC or SLICES replaces that positional argument."""
+    pos = {"PREFIX": "gs://my-bucket/sw", "SPEC": "configs/realm.py:base",
+           "SLICES": "a:us-central2-b"}  # fmt: skip
+    opts = []
+    it = iter(args)
+    for a in it:
+        if a == GRPC:
+            opts += ["--storage", GRPC]
+        elif a in ("SPEC", "SLICES"):
+            pos[a] = next(it)
+        elif a.startswith(("gs:", "sweeps")):
+            pos["PREFIX"] = a
+        else:
+            opts.append(a)
+    r = _run(SWEEP, "--dry-run", *opts, *pos.values())
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert message in line
+
+
+# Stand-ins for the sweep run for real: gcloud answers `tpu-vm describe NAME` with the state
+# FAKE_STATES gives NAME (no entry: no such TPU VM), python records its arguments, its working
+# folder and PYTHONPATH.
+DESCRIBE_GCLOUD = """#!/usr/bin/env bash
+[ "$1 $2 $3 $4" = "compute tpus tpu-vm describe" ] || exit 9
+for pair in $FAKE_STATES; do [ "${pair%%=*}" = "$5" ] && echo "${pair#*=}" && exit 0; done
+echo "ERROR: NOT_FOUND" >&2; exit 1
+"""
+RECORD_PYTHON = """#!/usr/bin/env bash
+{ pwd; printf '%s\\n' "$PYTHONPATH" "$@"; } > "$RECORD"
 """
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    """fake-gcs-server for the module, its environment set here (the scripts inherit it)."""
-    from tests.support import fake_gcs
-
-    if fake_gcs.binary() is None:
-        pytest.skip("fake-gcs-server is not installed: the gs:// sweep test needs a local GCS")
-    with fake_gcs.FakeGCS(buckets=(BUCKET,)) as server, pytest.MonkeyPatch.context() as mp:
-        for key, value in server.env.items():
-            mp.setenv(key, value)
-        import gcsfs  # after the environment: it reads some of it when first imported
-
-        gcsfs.GCSFileSystem.clear_instance_cache()
-        yield server
-        gcsfs.GCSFileSystem.clear_instance_cache()
-
-
-def _sweep_on_fake_pod(tmp_path, prefix: str) -> subprocess.CompletedProcess:
-    """tpu/sweep.sh for real (no --dry-run) over SPEC's points, with the fake gcloud first on
-    PATH and no refresher (one ssh per point)."""
+@pytest.fixture
+def sweep_env(tmp_path):
     bin_dir = tmp_path / "bin"
-    if not bin_dir.exists():
-        bin_dir.mkdir()
-        fake = FAKE_GCLOUD.format(python=sys.executable, failing=FAILING, stopped=STOPPED)
-        (bin_dir / "gcloud").write_text(fake)
-        (bin_dir / "gcloud").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "REFRESH_PLATFORMS"}
-    env.update(
-        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
-        PYTHONPATH=REPO,
-        PYTHON=sys.executable,
-        LAUNCH_FLAGS="--no-refresh",
-        FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.log"),
-    )
-    return subprocess.run(
-        ["bash", SWEEP, "tpu1", "z", prefix, SPEC],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(DESCRIBE_GCLOUD)
+    (bin_dir / "python").write_text(RECORD_PYTHON)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+        "RECORD": str(tmp_path / "record"),
+    }  # fmt: skip
+    return env, tmp_path / "record"
 
 
-def _ssh_workdirs(tmp_path) -> list[str]:
-    """The workdir of each fake `gcloud ... ssh` call, in order (and forget them)."""
-    log = tmp_path / "gcloud.log"
-    lines = log.read_text().splitlines() if log.exists() else []
-    log.unlink(missing_ok=True)
-    return [line.split("--workdir ")[1].split()[0].replace("\\,", ",") for line in lines]
+def test_sweep_checks_the_slices_then_runs_the_study(sweep_env):
+    env, record = sweep_env
+    args = ["--storage", GRPC, "gs://my-bucket/sw", "configs/realm.py:base",
+            "a:us-central2-b,b:europe-west4-a", "--config.train.steps=9"]  # fmt: skip
+    r = _run_env(dict(env, FAKE_STATES="a=READY b=READY"), SWEEP, *args)
+    assert r.returncode == 0, r.stderr
+    cwd, pythonpath, *argv = record.read_text().splitlines()
+    assert cwd == REPO and pythonpath.split(os.pathsep)[0] == REPO
+    assert argv == [
+        "-m", "realm_jax", "sweep", "--config", "configs/realm.py:base", "--workdir",
+        "gs://my-bucket/sw", "--storage", GRPC, "--tpu", "a:us-central2-b,b:europe-west4-a",
+        "--workers", "2", "--config.train.steps=9",
+    ]  # fmt: skip
+    (add,) = [x for x in r.stdout.splitlines() if x.startswith("add workers from another")]
+    assert _words(add.split(": ", 1)[1]) == [
+        "tpu/sweep.sh", "--storage", GRPC, "--study", "sweep", "gs://my-bucket/sw",
+        "configs/realm.py:base", "OTHER_NAME:ZONE", "--config.train.steps=9",
+    ]  # fmt: skip
 
-
-def test_sweep_marks_points_on_a_gcs_prefix(gcs, tmp_path):
-    """With a gs:// prefix (mounted nowhere) a point with DONE is skipped (an older sweep's
-    date-only marker too), a finished one gets DONE, a failed or stopped one FAILED, each a
-    JSON record through realm_jax.fs; the table reads them (no longer all pending)."""
-    from realm_jax import fs
-    from realm_jax.sweep import table
-    from realm_jax.sweep.points import sweep_points
-
-    prefix = f"gs://{BUCKET}/sweeps/tpu"
-    points = sweep_points(SPEC)
-    assert [name for name, _ in points] == [SKIPPED, FAILING, STOPPED, FINISHING]
-    fs.write_text(f"{prefix}/{SKIPPED}/DONE", "2026-11-23T05:00:00Z\n")
-    r = _sweep_on_fake_pod(tmp_path, prefix + "/")
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert f"skipping {SKIPPED}: {prefix}/{SKIPPED}/DONE exists" in r.stdout
-    assert f"failed points: {FAILING} {STOPPED}" in r.stderr
-    assert _ssh_workdirs(tmp_path) == [f"{prefix}/{n}" for n in (FAILING, STOPPED, FINISHING)]
-    done = json.loads(fs.read_text(f"{prefix}/{FINISHING}/DONE"))
-    assert (done["name"], done["returncode"], done["step"]) == (FINISHING, 0, 4)
-    assert isinstance(done["wall_s"], float)
-    assert json.loads(fs.read_text(f"{prefix}/{FAILING}/FAILED"))["returncode"] == 3
-    stopped = json.loads(fs.read_text(f"{prefix}/{STOPPED}/FAILED"))
-    assert stopped["error"] == "stopped at step 2 of 4"
-    assert not fs.exists(f"{prefix}/{FAILING}/DONE") and not fs.exists(f"{prefix}/{STOPPED}/DONE")
-    status = {row["name"]: row["status"] for row in table.rows(prefix, points)}
-    assert status == {SKIPPED: "done", FAILING: "failed", STOPPED: "failed", FINISHING: "done"}
-
-
-def test_sweep_marks_points_on_a_local_prefix_only_where_mounted(tmp_path):
-    """A shared-filesystem prefix: markers where it is mounted here too, none where it is not
-    (the exit status alone then says which points failed)."""
-    prefix = tmp_path / "sweep"
-    for name in (SKIPPED, FAILING, STOPPED, FINISHING):
-        (prefix / name).mkdir(parents=True)
-    (prefix / SKIPPED / "DONE").write_text("2026-11-23T05:00:00Z\n")
-    r = _sweep_on_fake_pod(tmp_path, str(prefix))
-    assert r.returncode == 1 and f"failed points: {FAILING} {STOPPED}" in r.stderr, r.stderr
-    assert json.loads((prefix / FINISHING / "DONE").read_text())["step"] == 4
-    assert (prefix / FAILING / "FAILED").exists() and (prefix / STOPPED / "FAILED").exists()
-    assert len(_ssh_workdirs(tmp_path)) == 3
-
-    elsewhere = str(tmp_path / "not-mounted-here")
-    r = _sweep_on_fake_pod(tmp_path, elsewhere)
-    assert r.returncode == 1 and r.stderr.endswith(f"failed points: {FAILING}\n"), r.stderr
-    assert len(_ssh_workdirs(tmp_path)) == 4 and not os.path.exists(elsewhere)
-
-
-def test_sweep_stops_on_a_bucket_it_cannot_reach(gcs, tmp_path):
-    r = _sweep_on_fake_pod(tmp_path, "gs://no-such-bucket/sweeps/x")
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "bucket gs://no-such-bucket does not exist" in r.stderr
-    assert _ssh_workdirs(tmp_path) == []
+    for states, message in (
+        ("a=READY", "no TPU VM b in europe-west4-a (a queued resource?"),
+        ("a=READY b=CREATING", "TPU VM b in europe-west4-a is CREATING, not READY"),
+    ):
+        record.unlink(missing_ok=True)
+        r = _run_env(dict(env, FAKE_STATES=states), SWEEP, *args)
+        assert r.returncode == 2 and not record.exists(), r.stdout + r.stderr
+        (line,) = r.stderr.splitlines()
+        assert message in line
