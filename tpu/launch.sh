@@ -41,7 +41,8 @@
 #                  text (quoted for the remote shell): the sweep passes each trial its link to
 #                  the study this way (REALM_JAX_TRIAL, JSON)
 #   --wait         run the trainers in the foreground, then stop the refresher (the sweep's
-#                  trials: tpu/sweep.sh)
+#                  trials: tpu/sweep.sh); SIGTERM or SIGINT to launch.sh then stops the
+#                  trainers (and the refresher) as --stop does, and exits 143 once they ended
 #   --stop         send SIGTERM to this run's trainers and refresher (trainers checkpoint first)
 #   --dry-run      print the gcloud commands instead of running them
 # Every worker runs one `python -m realm_jax train --multihost` process (jax.distributed
@@ -253,6 +254,15 @@ stop_refresher() {
   (( refresh )) || return 0
   if (( slice )); then refresh_slice stop; else on 0 "$(stop_cmd refresh.pid)"; fi
 }
+ssh_pid=''
+stop_foreground() {  # --wait's SIGTERM/SIGINT: the trainers' ssh session is ssh_pid
+  trap - TERM INT
+  echo "stopping run $run_name on $name (SIGTERM to its trainers: they checkpoint first)" >&2
+  on all "$(stop_cmd 'train-w*.pid')" || true
+  wait "$ssh_pid" || true
+  stop_refresher || true
+  exit 143
+}
 
 # Each detached command is `setup && { cmd > log 2>&1 < /dev/null & echo $! > pid; }`: only the
 # command itself goes to the background, its output redirected, so that the ssh session ends at
@@ -261,11 +271,25 @@ stop_refresher() {
 train="cd $REMOTE_DIR && mkdir -p $logs && ${exports}W=$WORKER_ID && log=$logs/train-w\$W.log"
 if (( wait )); then
   echo "training on all workers (foreground; logs $logs/train-w*.log)"
-  set +e
-  on all "$train && echo \$\$ > $logs/train-w\$W.pid && exec $(cli_args train --multihost) \
+  foreground="$train && echo \$\$ > $logs/train-w\$W.pid && exec $(cli_args train --multihost) \
     > \$log 2>&1 < /dev/null"
-  rc=$?
-  set -e
+  if (( dry_run )); then
+    on all "$foreground"
+    rc=0
+  else
+    # SIGTERM or SIGINT here (the sweep's worker ended, Ctrl-C) stops the trainers on the
+    # workers too (they checkpoint first), waits for them, and stops the refresher: an ended
+    # ssh session alone would leave them holding the slice's chips. (The ssh runs in the
+    # background so that `wait` returns to the trap at once.)
+    trap stop_foreground TERM INT
+    on all "$foreground" &
+    ssh_pid=$!
+    set +e
+    wait "$ssh_pid"
+    rc=$?
+    set -e
+    trap - TERM INT
+  fi
   stop_refresher
   echo "training finished (exit status $rc)"
   exit "$rc"

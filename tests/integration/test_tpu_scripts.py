@@ -450,6 +450,35 @@ def test_launch_detaches_the_trainer_and_refresher_and_stops_them(exec_pod, tmp_
     assert not list(logs.glob("*.pid"))
 
 
+def test_launch_wait_stops_the_trainers_when_it_is_stopped(exec_pod, tmp_path):
+    """launch.sh --wait (a sweep trial) given SIGTERM, as when its sweep worker ends: the
+    trainers on the workers get SIGTERM too (they would checkpoint), then the refresher; it
+    exits 143 once they have ended, leaving no pid file and nothing running."""
+    env, repo, _ = exec_pod
+    p = subprocess.Popen(
+        ["bash", LAUNCH, "--wait", "tpu1", "z", str(tmp_path / "shared" / "t1"),
+         "configs/realm.py:base"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    logs = repo / "logs" / "t1"
+    train_log = logs / f"train-w{os.uname().nodename}.log"
+    try:
+        started = lambda: train_log.exists() and "train started" in train_log.read_text()  # noqa: E731
+        assert _wait_for(started, 60)
+        pids = [int(f.read_text()) for f in logs.glob("*.pid")]
+        assert len(pids) == 2 and all(_alive(x) for x in pids)  # the trainer and the refresher
+        p.terminate()
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143, out + err
+    assert "stopping run t1 on tpu1" in err
+    assert "train stopped" in train_log.read_text()  # before launch.sh exited
+    assert not list(logs.glob("*.pid"))
+    assert _wait_for(lambda: "refresh stopped" in (logs / "refresh.log").read_text(), 30)
+    assert _wait_for(lambda: not any(_alive(x) for x in pids), 30)
+
+
 def test_run_logged_passes_sigterm_on_and_keeps_the_exit_status(tmp_path):
     """tpu/run_logged.sh: SIGTERM reaches the command; its status ends the log (copied)."""
     log, url = tmp_path / "w" / "a.log", tmp_path / "remote" / "logs" / "a.log"
