@@ -72,3 +72,9 @@ def profile_dir(workdir: str) -> str:
     """train.profile_steps' jax.profiler traces: the TensorBoard logdir, whose profile plugin
     opens <logdir>/plugins/profile/<run>/*.xplane.pb."""
     return tb_dir(workdir)
+
+
+def pruned_path(workdir: str) -> str:
+    """Written when the sweep's pruner stopped the run (sweep/trial.py): JSON {"step", "value",
+    "objective", "time"}; the sweep's worker reads it to mark the trial pruned."""
+    return fs.join(root(workdir), "PRUNED")

@@ -106,10 +106,11 @@ def fingerprint(config, data_dir: str) -> dict:
 def trainer_locked(train_fn):
     """A task's train(config, workdir, ...) that holds the workdir's trainer lock for the whole
     run, taken before any data or checkpoint is touched (LockError when another trainer holds
-    it). Only process 0 locks."""
+    it). Only process 0 locks. A sweep trial's link (REALM_JAX_TRIAL) is checked first."""
 
     @functools.wraps(train_fn)
     def train(config, workdir: str, *args, **kwargs):
+        _trial_link()  # a malformed sweep link (REALM_JAX_TRIAL): its error before anything
         with workdir_lock(workdir, "trainer", enabled=jax.process_index() == 0):
             # the others start once process 0 holds the lock (it may wait out a dead lease)
             runtime.barrier("trainer-lock", LEASE_SECONDS + 60)
@@ -354,6 +355,7 @@ def run(
     wd = watchdog.current() or watchdog.from_config(tc, f"{config.task} training step")
     own_watchdog = wd is not watchdog.current()
     stop_every = int(tc.get("stop_check_every", 10))  # steps between the stop checks
+    trial = _trial_link()  # a sweep's trial (REALM_JAX_TRIAL), else None
 
     def prepare(step: int) -> None:
         """The task's host work before `step` (REALM: take up a newer index), once per step."""
@@ -364,9 +366,9 @@ def run(
                 extra.update(task.before_step(step, state) or {})
         ready = step
 
-    def evaluate(step: int) -> None:
+    def evaluate(step: int) -> dict | None:
         if task.evaluate is None or tc.eval_every <= 0:
-            return
+            return None
         prepare(step)  # evaluate against the index the next step would use, not an older one
         values = {f"eval/{k}": v for k, v in task.evaluate(state, step).items()}
         values["step"] = step
@@ -375,11 +377,24 @@ def run(
         if jax.process_index() == 0:
             keys = [f"eval/{k}" for k in task.eval_console_keys]
             print(_console("eval ", step, tc.steps, values, keys, {}), flush=True)
+        return values
+
+    def pruned(step: int, values: dict | None) -> bool:
+        """Report an evaluation to the sweep's trial; whether its pruner stops the run here.
+        Step 0 is reported (the curve's start, which the study's plots show) but never pruned
+        on: nothing is trained yet, and trials differ there only by chance. The last step is
+        not pruned on either: the run is complete, its value a finished trial's, nothing left
+        to save."""
+        if trial is None or values is None:
+            return False
+        with wd.stage("sweep report", slow=True, step=step):  # bounded by trial.retry_s too
+            return trial.report(step, values, may_prune=0 < step < tc.steps)
 
     try:
         if start == 0:
             with wd.stage("evaluation", slow=True, step=0), meter.timed("eval"):
-                evaluate(0)
+                values = evaluate(0)
+            pruned(0, values)
         while step < tc.steps:
             with wd.stage("index swap", slow=True, step=step):
                 prepare(step)
@@ -418,7 +433,14 @@ def run(
                         ids_log.upload()
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps):
                 with wd.stage("evaluation", slow=True, step=step), meter.timed("eval"):
-                    evaluate(step)
+                    values = evaluate(step)
+                if pruned(step, values):  # its checkpoint, PRUNED, the run ends (exit 0)
+                    with wd.stage("checkpoint save", slow=True, step=step):
+                        if not at_save:  # (saving a step twice raises StepAlreadyExistsError)
+                            checkpoint.save(mgr, step, state, save_args(it), force=True)
+                        mgr.wait_until_finished()  # PRUNED names a checkpoint that is there
+                    _write_pruned(trial, workdir, step, values)
+                    break  # as a stop does: metrics.json says complete=false
             wd.beat(step)
             if tc.preemption_save and stop.check(step, at_save, stop_every):
                 log.warning(
@@ -452,6 +474,25 @@ def run(
     if history and jax.process_index() == 0:
         write_final_metrics(workdir, step, tc.steps, history, task, meter.values(step))
     return history
+
+
+def _trial_link():
+    """The sweep trial REALM_JAX_TRIAL links this run to (sweep/trial.py), else None; Optuna
+    is imported only for a linked run."""
+    if not os.environ.get("REALM_JAX_TRIAL", "").strip():
+        return None
+    from realm_jax.sweep.trial import TrialLink
+
+    return TrialLink.from_env()
+
+
+def _write_pruned(trial, workdir: str, step: int, values: dict) -> None:
+    """A run the sweep's pruner stopped at `step` (its checkpoint saved): WORKDIR/PRUNED,
+    which the sweep's worker reads (process 0), and one line."""
+    value = trial.value(values)
+    if jax.process_index() == 0:
+        trial.write_pruned(workdir, step, value)
+    log.warning("pruned by the sweep at step %d (objective=%.6g)", step, value)
 
 
 def write_final_metrics(
