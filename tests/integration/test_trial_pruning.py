@@ -259,3 +259,47 @@ def test_reports_through_the_grpc_proxy_reach_the_study(tmp_path, caplog):
         proxy.wait()
     assert _reported(db, trial_id) == {0: 0.5, 2: 0.25, 4: 0.75}
     assert "without reporting" not in caplog.text
+
+
+@pytest.mark.system  # two jax.distributed processes: CI keeps the one-process runs above
+def test_two_processes_stop_at_the_same_pruned_step(data, tmp_path):
+    """2 processes x 2 fake CPU devices through the CLI: process 0 reports and the pruner's
+    answer reaches process 1 (multihost_utils), so both save checkpoint 2 and exit 0 there."""
+    import portpicker
+
+    corpus, ddir = data
+    db, work = tmp_path / "study.db", str(tmp_path / "run")
+    trial_id = _study(db, "pair", others=2.0)
+    link = {
+        "storage": f"sqlite:///{db}",
+        "study": "pair",
+        "trial_id": trial_id,
+        "objective": OBJECTIVE,
+        "direction": "maximize",
+        "pruner": {"name": "median", "n_startup_trials": 2},
+    }
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", trial_link.ENV: json.dumps(link)}
+    port, procs = portpicker.pick_unused_port(), []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "realm_jax", "ict", "--workdir", work]
+        cmd += ["--config", os.path.join(REPO, "configs", "ict.py") + ":smoke"]
+        cmd += [f"--config.{o}" for o in ICT]
+        cmd += [f"--config.data.corpus={corpus}", f"--config.data.data_dir={ddir}"]
+        cmd += ["--cpu_devices", "2", "--coordinator", f"127.0.0.1:{port}"]
+        cmd += ["--num_processes", "2", "--process_id", str(i)]
+        log = open(tmp_path / f"log.{i}", "wb")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"log.{i}").read_text() for i in range(2)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    for text in logs:
+        assert "pruned by the sweep at step 2" in text, text[-3000:]
+    assert json.load(open(paths.pruned_path(work)))["step"] == 2
+    assert _reported(db, trial_id) == pytest.approx(_evaluations(work), rel=1e-6)
+    mgr = checkpoint.manager(work, with_data=False, read_only=True)
+    assert list(mgr.all_steps()) == [0, 2]
