@@ -21,7 +21,7 @@ COMMANDS = {
     "finetune": "open-domain QA fine-tuning, ORQA style (configs/orqa.py)",
     "evaluate": "open-domain QA: exact match and recall@k of a fine-tuned workdir",
     "ask": "answer a question (QA workdir) or show its top blocks (pre-training workdir)",
-    "sweep": "run a config file's sweep() point by point (or on a TPU VM) and table it",
+    "sweep": "run a config file's sweep() as an Optuna study: parallel workers, pruning, a table",
     "plan": "compile the config's programs for a TPU slice ahead of time: does it fit?",
     "import": "HF REALM folders or the release's TF checkpoints -> a workdir (+ block_emb index)",
     "export": "a workdir's checkpoint -> HuggingFace REALM folders (safetensors)",
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                 help="optional: a workdir whose prepared corpus gives the number of blocks",
             )
         elif name == "sweep":
-            s.add_argument("--workdir", default="", help="prefix: point P runs in PREFIX/P")
+            s.add_argument("--workdir", default="", help="prefix: trial T runs in PREFIX/T")
         else:
             s.add_argument(
                 "--workdir", required=True, help="run directory (data, checkpoints, index, tb)"
@@ -291,33 +291,63 @@ def _hf_arguments(s: argparse.ArgumentParser, name: str) -> None:
 
 def _sweep_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
-        "--only",
+        "--workers",
+        type=int,
+        default=0,
+        help="worker processes on this host, each on its own devices (CPU: sharing the cores; "
+        "GPUs: an equal share each; a TPU VM: its chips split); default 1, with --tpu one a slice",
+    )
+    s.add_argument(
+        "--trials",
+        type=int,
+        default=0,
+        help="a search's number of finished (complete or pruned) trials, those already in the "
+        "study included (default: the config's Search(trials=...)); a grid runs its points",
+    )
+    s.add_argument(
+        "--storage",
         default="",
-        metavar="NAME[,NAME]",
-        help="locally: run only these points (names as `python -m realm_jax.sweep CONFIG` "
-        "prints them); the others stay pending in the table",
+        metavar="URL",
+        help="the study's database: sqlite:///PREFIX/study.db by default; postgresql://..., "
+        "mysql://... or grpc://HOST:PORT (python -m realm_jax.sweep.proxy) for workers on "
+        "several hosts, a gs:// PREFIX or --tpu",
+    )
+    s.add_argument(
+        "--study",
+        default="",
+        metavar="NAME",
+        help="the study's name in the storage (default sweep)",
+    )
+    s.add_argument(
+        "--tpu",
+        default="",
+        metavar="NAME:ZONE[,NAME:ZONE...]",
+        help="run the trials on these TPU VM slices through tpu/launch.sh, worker i on slice i "
+        "(tpu/sweep.sh; PREFIX: gs:// or a shared mount; the data prepared beforehand)",
     )
     s.add_argument(
         "--dry_run",
         action="store_true",
-        help="print each point's command (with --tpu: its tpu/launch.sh line), run nothing",
+        help="print the prepare and trial commands (with --tpu: the tpu/launch.sh lines), run "
+        "nothing",
     )
     s.add_argument(
-        "--tpu",
-        nargs=2,
-        metavar=("NAME", "ZONE"),
-        help="launch the points on this TPU VM through tpu/sweep.sh (PREFIX: gs:// or a "
-        "shared mount)",
+        "--heartbeat_s",
+        type=float,
+        default=30.0,
+        help="seconds between a worker's heartbeats for its running trial",
     )
     s.add_argument(
-        "--prepare",
-        action="store_true",
-        help="with --tpu: prepare each point's data on worker 0 (locally the sweep always "
-        "prepares, once per distinct data section, reusing a prepared folder)",
+        "--grace_s",
+        type=float,
+        default=120.0,
+        help="a running trial without a heartbeat for this long is failed and retried once",
     )
-    s.add_argument("--table", default="", metavar="PREFIX", help="only rewrite PREFIX's table")
     s.add_argument(
-        "--table_only", action="store_true", help="only write the table of --config/--workdir"
+        "--table",
+        default="",
+        metavar="PREFIX",
+        help="only rewrite PREFIX's sweep.md, sweep.csv and plots/ from the study",
     )
 
 

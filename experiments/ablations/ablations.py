@@ -190,48 +190,50 @@ class Suite:
         return want
 
     def pretrain(self, warm: str, indexes: list[int]) -> dict[int, tuple[str, str]]:
-        """{sweep index: (point workdir, stamp)}: the REALM arms of these sweep indexes through
-        `realm-jax sweep` (--only them when not all), and every other arm whose finished
-        pre-training is on disk with a current stamp (reported, not run)."""
-        from realm_jax.sweep import markers
+        """{sweep index: (point workdir, stamp)}: the REALM arms of these sweep indexes, each
+        trained with `realm-jax local` in its sweep point's folder on one prepared folder (the
+        points of config.py's sweep), and every other arm whose finished pre-training is on disk
+        with a current stamp (reported, not run)."""
+        from experiments.tools.cli_runs import done
         from realm_jax.sweep.points import sweep_points
 
         prefix, extra = self.workdir("pretrain"), self.pretrain_extra()
+        data = [f"--config.data.data_dir={os.path.join(prefix, 'data')}"]
         points = sweep_points(ABLATIONS, extra)
-        only = len(indexes) < len(points)
-        out, pending = {}, False
-        found = {}
+        out, found, prepared = {}, {}, False
         for i, (name, own) in enumerate(points):
             work = os.path.join(prefix, name)
             want = stage_stamp.stamp(ABLATIONS, [*extra, *(o[9:] for o in own)], [warm])
+            arm = next(key for key, _, index, _ in ARMS if index == i)
             if i not in indexes:
                 if stage_stamp.current(work, want):
                     found[i] = (work, want)
-                    with open(os.path.join(work, "DONE")) as f:  # its time, as its sweep ran it
-                        wall = json.load(f)["wall_s"]
-                    arm = next(key for key, _, index, _ in ARMS if index == i)
-                    self._time(f"pretrain {arm}", {"wall_seconds": wall})
                 continue
             if stage_stamp.begin(f"pretrain {name}", work, want):
-                pending = True
-            out[i] = (work, want)
-        if pending:
-            self._time(
-                "pretrain (sweep)",
-                run(
-                    ["sweep", "--config", ABLATIONS, "--workdir", prefix, *_overrides(extra)]
-                    + (["--only", ",".join(points[i][0] for i in indexes)] if only else [])
-                ),
-            )
-        for i, (work, want) in out.items():
-            if not markers.is_done(work):
-                raise RuntimeError(f"{work}: the sweep did not finish this point (its sweep.log)")
+                if not prepared:  # the arms differ in read-time fields only: one folder
+                    run(["prepare", "--config", ABLATIONS, "--workdir", prefix,
+                         *_overrides(extra), *data])  # fmt: skip
+                    prepared = True
+                self._time(
+                    f"pretrain {arm}",
+                    run(
+                        [
+                            "local",
+                            "--config",
+                            ABLATIONS,
+                            "--workdir",
+                            work,
+                            *_overrides(extra),
+                            *own,
+                            *data,
+                        ]
+                    ),  # fmt: skip
+                )
+            if not done(work):
+                raise RuntimeError(f"{work}: the arm's pre-training did not finish")
             if not stage_stamp.current(work, want):
                 stage_stamp.write(work, want)
-            with open(os.path.join(work, "DONE")) as f:
-                wall = json.load(f)["wall_s"]
-            arm = next(key for key, _, index, _ in ARMS if index == i)
-            self._time(f"pretrain {arm}", {"wall_seconds": wall})
+            out[i] = (work, want)
         return out | found
 
     def finetune(self, arm: str, init: list[str], upstream: str, go: bool = True) -> str | None:

@@ -178,12 +178,16 @@ def test_bm25_reader_picks_the_block_by_span_score_plus_weighted_retrieval_score
 def test_the_arms_share_one_prepared_folder(tmp_path):
     """The masks are drawn at read time: the four arms train on one prepared folder (a sweep
     refused them once, their data sections differing in data.mask_mode)."""
-    from realm_jax.sweep import runner
+    from realm_jax.config import load_config
+    from realm_jax.sweep import space
+    from realm_jax.sweep.worker import data_folder
 
-    points = runner.load_points(f"{ABLATIONS}:smoke", str(tmp_path), [])
-    assert len(runner._data_groups(points, str(tmp_path))) == 1
-    over = runner.load_points(f"{ABLATIONS}:smoke", str(tmp_path), ["data.block_len=64"])
-    assert len(runner._data_groups(over, str(tmp_path))) == 1
+    for extra in ([], ["data.block_len=64"]):
+        study = space.load(f"{ABLATIONS}:smoke", extra)
+        base = load_config(study.spec, extra)
+        folders = {data_folder(space.point_config(study, p), base, str(tmp_path))
+                   for p in study.points}  # fmt: skip
+        assert folders == {os.path.join(str(tmp_path), "data")} and len(study.points) == 4
 
 
 def test_the_report_tables_what_was_run_and_marks_the_rest():

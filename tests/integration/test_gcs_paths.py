@@ -1,9 +1,9 @@
 """Every path a user gives may be gs://, against fake-gcs-server (tests/support/fake_gcs.py): warm
 starts from a REALM workdir's checkpoints (model.init_from_realm, the ICT embedder restore),
 HuggingFace weight folders (copied once per host into the local cache, concurrent copies
-safe), question and predictions files, `evaluate`'s outputs, a sweep's markers, plan, logs
-and table, and the one-line errors (exit 2) for a bucket that does not exist or cannot be
-reached and a gs:// workdir without checkpoints."""
+safe), question and predictions files, `evaluate`'s outputs, a sweep's table and plots, and
+the one-line errors (exit 2) for a bucket that does not exist or cannot be reached and a gs://
+workdir without checkpoints."""
 
 import argparse
 import json
@@ -373,87 +373,46 @@ def test_concurrent_copies_on_one_host_never_corrupt_the_cache(realm_run, tmp_pa
 
 # ------------------------------------------------------------------------------------ sweeps
 
-SWEEP_CONFIG = f"""
-import importlib.util
 
-_spec = importlib.util.spec_from_file_location("realm_for_gcs_sweep", {REALM!r})
-_realm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_realm)
+def test_a_sweep_table_under_a_gcs_prefix(gcs, tmp_path, monkeypatch, capsys):
+    """`sweep --table gs://...`: the trials' metrics.json read from the bucket, sweep.md,
+    sweep.csv and the plots written there (a study in a local SQLite file standing for the
+    sweep's database server); a gs:// prefix without a database server is one line, exit 2."""
+    import optuna
 
-
-def get_config(arg=None):
-    return _realm.get_config(arg)
-
-
-def sweep():
-    return [{{"train.lr": 0.001}}, {{"train.lr": 0.002}}]
-"""
-# Stands in for `python -m realm_jax local|prepare`: what a finished run leaves in its workdir
-# (metrics.json), written through realm_jax.fs as the training loop does; lr=0.002 fails.
-FAKE_RUN = """
-import json, sys
-from realm_jax import fs
-command, workdir = sys.argv[1], sys.argv[2]
-print(f"fake {command} --workdir {workdir} {sys.argv[3]}")
-if command == "prepare":
-    sys.exit(0)
-if workdir.endswith("lr=0.002"):
-    sys.exit(3)
-metrics = {"step": 4, "steps": 4, "complete": True, "train": {"loss": 1.5},
-           "console_keys": {"train": ["loss"], "eval": []}}
-fs.write_text(fs.join(workdir, "metrics.json"), json.dumps(metrics))
-"""
-
-
-def test_a_sweep_under_a_gcs_prefix(gcs, tmp_path, monkeypatch, capsys):
-    """Markers, sweep.json, the table and each point's log on gs:// (the log kept locally while
-    the point runs); the URL reaches the points' commands unchanged; a re-run skips the done
-    point; `sweep --table gs://...` rebuilds the table from the bucket alone."""
     from realm_jax import cli
-    from realm_jax.sweep import runner
+    from realm_jax.sweep import storage
 
-    def fake_command(command, spec, workdir, extra, overrides, ddir, cpu_devices):
-        return [sys.executable, "-c", FAKE_RUN, command, workdir, f"--config.data.data_dir={ddir}"]
-
-    monkeypatch.setattr(runner, "_command", fake_command)
     monkeypatch.chdir(tmp_path)  # nothing may be written to a local "gs:" folder
-    monkeypatch.setenv("PYTHONPATH", REPO)
-    config = tmp_path / "sweep_config.py"
-    config.write_text(SWEEP_CONFIG)
-    prefix = f"{ROOT}/sweeps/lr/"
-    rc = cli.main(["sweep", "--config", f"{config}:smoke", "--workdir", prefix])
+    url = f"sqlite:///{tmp_path}/study.db"
+    study = optuna.create_study(storage=storage.open_storage(url, create=True), study_name="lr")
+    study.set_user_attr("realm_jax", {"spec": f"{REALM}:smoke", "extra": [], "task": "realm",
+                                      "kind": "grid", "objective": "eval/accuracy"})  # fmt: skip
+    prefix = f"{ROOT}/sweeps/lr"
+    for lr, acc in ((0.001, 0.25), (0.002, 0.5)):
+        t = study.ask()
+        name = f"lr={lr}"
+        t.set_user_attr("name", name)
+        t.set_user_attr("workdir", f"{prefix}/{name}")
+        t.report(acc / 2, 0)
+        metrics = {"step": 4, "steps": 4, "complete": True, "train": {"loss": 1.5},
+                   "eval_step": 4, "eval": {"accuracy": acc},
+                   "console_keys": {"train": ["loss"], "eval": ["accuracy"]}}  # fmt: skip
+        fs.write_text(f"{prefix}/{name}/metrics.json", json.dumps(metrics))
+        study.tell(t, acc)
+    rc = cli.main(["sweep", "--table", prefix + "/", "--storage", url, "--study", "lr"])
     out, err = capsys.readouterr()
-    prefix = prefix.rstrip("/")
-    assert rc == 1 and "failed points: lr=0.002" in err, out + err
-    assert f"fake local --workdir {prefix}/lr=0.001 --config.data.data_dir={prefix}/data" in out
-    assert sorted(fs.listdir(prefix)) == [
-        "lr=0.001",
-        "lr=0.002",
-        "sweep.csv",
-        "sweep.json",
-        "sweep.md",
-    ]
-    done = json.loads(fs.read_bytes(f"{prefix}/lr=0.001/DONE"))
-    assert (done["step"], done["returncode"]) == (4, 0)
-    assert json.loads(fs.read_bytes(f"{prefix}/lr=0.002/FAILED"))["returncode"] == 3
-    log = fs.read_text(f"{prefix}/lr=0.001/sweep.log")
-    assert f"fake local --workdir {prefix}/lr=0.001" in log
-    here = os.path.join(fs.cache_root(), "sweep-logs", BUCKET, "sweeps", "lr", "lr=0.001")
-    assert open(os.path.join(here, "sweep.log")).read() == log  # appended here as it ran
-    assert "| lr=0.001 | train.lr=0.001 | done | 4 | 1.5 |" in fs.read_text(f"{prefix}/sweep.md")
+    assert rc == 0, err
+    assert sorted(fs.listdir(prefix)) == ["lr=0.001", "lr=0.002", "plots", "sweep.csv", "sweep.md"]
+    md = fs.read_text(f"{prefix}/sweep.md")
+    assert "| 1 | lr=0.002 | COMPLETE | 0.5 | 4 | 1.5 | 4 | 0.5 |" in md
+    assert f"--workdir {prefix}/best" in md and f"--workdir {prefix}/best" in out
+    assert fs.read_bytes(f"{prefix}/plots/optimization_history.png")[:4] == b"\x89PNG"
     assert not os.path.exists(tmp_path / "gs:")
 
-    before = fs.read_bytes(f"{prefix}/lr=0.001/DONE")
-    rc = cli.main(["sweep", "--config", f"{config}:smoke", "--workdir", prefix])
-    out, _ = capsys.readouterr()
-    assert rc == 1 and f"skipping lr=0.001: {prefix}/lr=0.001/DONE exists" in out
-    assert fs.read_bytes(f"{prefix}/lr=0.001/DONE") == before
-    table = fs.read_text(f"{prefix}/sweep.csv")
-
-    fs.remove(f"{prefix}/sweep.csv")
-    assert cli.main(["sweep", "--table", prefix]) == 0
-    rebuilt = fs.read_text(f"{prefix}/sweep.csv").splitlines()
-    assert rebuilt[1:] == [line.replace(",skipped,", ",done,") for line in table.splitlines()[1:]]
+    rc = cli.main(["sweep", "--config", f"{REALM}:smoke", "--workdir", prefix])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "needs --storage naming a database server" in err
 
 
 # ------------------------------------------------------------------------- one-line errors

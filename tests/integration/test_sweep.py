@@ -1,242 +1,217 @@
-"""`realm-jax sweep`: a 3-point sweep of tiny REALM runs (one fails at run time), its DONE
-markers and table against the TensorBoard events the runs wrote, the re-run skipping finished
-points, bad sweeps refused before anything runs, dry runs (local and TPU)."""
+"""`realm-jax sweep`: a two-worker Optuna study of tiny REALM runs, checked against the SQLite
+file read on its own (sqlite3) and the runs' metrics.json; the table, plots and best command;
+a re-run repeating nothing; `--table` rebuilding it; dry runs (local and TPU); every shipped
+sweep validating with its training command."""
 
 import csv
-import json
 import os
-import struct
+import shlex
+import sqlite3
 
 import pytest
 
 from realm_jax import cli
+from realm_jax.config import load_config
 from tests.conftest import REPO
-from tests.support.realm_fixtures import TINY_NETWORKS
 
 REALM = os.path.join(REPO, "configs", "realm.py")
-# Tiny runs: 60 passages of the bundled sample (a quarter of them held out), random masking,
-# 4 steps with the index re-embedded in-process, a held-out evaluation at steps 0 and 4.
-COMMON = TINY_NETWORKS + [
+ICT = os.path.join(REPO, "configs", "ict.py")
+# Tiny ICT runs (the cheapest trainer: one embedder, no reader): 60 passages of the bundled
+# sample (a quarter of them held out), 2 steps, held-out recall at steps 0 and 2.
+COMMON = [
+    f"model.embedder.{key}={value}"
+    for key, value in (
+        ("hidden_size", 32),
+        ("num_layers", 1),
+        ("num_heads", 2),
+        ("intermediate_size", 64),
+        ("max_position_embeddings", 128),
+    )
+] + [
     "data.block_len=64",
     "data.query_len=32",
-    "data.max_predictions=5",
-    "data.masking=random",
     "data.eval_split_key=doc_id",
     "data.eval_fraction=0.25",
     "train.batch_size=8",
-    "train.num_candidates=4",
-    "train.steps=4",
-    "train.warmup_steps=1",
-    "train.log_every=2",
-    "train.checkpoint_every=4",
-    "train.eval_every=4",
-    "train.eval_batch_size=8",
-    "refresh.mode=inprocess",
-    "refresh.every=4",
+    "train.steps=2",
+    "train.checkpoint_every=2",
+    "train.eval_every=2",
 ]
-# A config file of the test's own: configs/realm.py's variants, and a sweep of two held-out
-# sizes (the same programs: the second point takes them from the persistent compilation cache)
-# plus a point that validates but fails at run time (more candidates than blocks).
-WRAPPER = f"""
+# A config file of the test's own: a task config's variants (ICT's by default) and a search over
+# fields that do not change the compiled programs (the seed, the log interval), so that both
+# trials and a re-run share them; the held-out recall differs with the seed.
+WRAPPER = """
 import importlib.util
+from realm_jax.sweep import space
 
-_spec = importlib.util.spec_from_file_location("realm_for_sweep_test", {REALM!r})
-_realm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_realm)
+_spec = importlib.util.spec_from_file_location("config_for_sweep_test", {path!r})
+_task = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_task)
 
 
 def get_config(arg=None):
-    return _realm.get_config(arg)
+    return _task.get_config(arg)
 
 
 def sweep():
-    return {{points}}
+    return {body}
 """
-POINTS = [{"train.eval_examples": 8}, {"train.eval_examples": 24}, {"train.num_candidates": 1000}]
+SEARCH = """space.Search(
+    params={"train.seed": space.integer(0, 10**6), "train.log_every": space.choice([1, 2])},
+    objective="eval/recall@20", sampler="random", pruner="none", trials=2, seed=0)"""
+GRID = "[{'train.eval_examples': 8}, {'train.eval_examples': 24}, {'train.lr': 1e-3}]"
 
 
-def _config_file(tmp_path, points, name="sweep_config.py"):
+def _config_file(tmp_path, body, name="sweep_config.py", task=ICT):
     path = tmp_path / name
-    path.write_text(WRAPPER.format(points=repr(points)))
+    path.write_text(WRAPPER.format(path=task, body=body))
     return str(path)
 
 
-def _sweep(capsys, *args):
+def _sweep(capture, *args):
+    """cli.main's exit status and output (capfd: the workers' and trainers' too)."""
     rc = cli.main(["sweep", *args])
-    out, err = capsys.readouterr()
+    out, err = capture.readouterr()
     return rc, out, err
 
 
-def _tb_scalars(tb_dir: str) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} read from the TFRecord event files (independent of the sweep)."""
-    from tensorboardX.proto import event_pb2
-
-    out: dict[str, dict[int, float]] = {}
-    for name in sorted(os.listdir(tb_dir)):
-        data = open(os.path.join(tb_dir, name), "rb").read()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
-            at += 12 + length + 4  # length, its crc, the record, its crc
-            for v in event.summary.value:
-                out.setdefault(v.tag, {})[event.step] = v.simple_value
+def _db(prefix) -> dict[int, dict]:
+    """{trial number: state, value, params, start, end}, read with sqlite3 (not Optuna)."""
+    con = sqlite3.connect(os.path.join(prefix, "study.db"))
+    out = {}
+    rows = "SELECT trial_id, number, state, datetime_start, datetime_complete FROM trials"
+    for tid, number, state, start, end in con.execute(rows):
+        values = [v for (v,) in con.execute(f"SELECT value FROM trial_values WHERE trial_id={tid}")]
+        params = dict(con.execute(f"SELECT param_name, param_value FROM trial_params "
+                                  f"WHERE trial_id={tid}"))  # fmt: skip
+        attrs = dict(con.execute(f"SELECT key, value_json FROM trial_user_attributes "
+                                 f"WHERE trial_id={tid}"))  # fmt: skip
+        out[number] = {"state": state, "values": values, "params": params, "start": start,
+                       "end": end, "attrs": attrs}  # fmt: skip
+    con.close()
     return out
 
 
-def _csv(prefix) -> dict[str, dict[str, str]]:
+def _csv(prefix) -> list[dict]:
     with open(os.path.join(prefix, "sweep.csv"), newline="") as f:
-        return {r["name"]: r for r in csv.DictReader(f)}
+        return list(csv.DictReader(f))
 
 
 @pytest.fixture
 def two_devices(monkeypatch, tmp_path):
-    """The points' processes on 2 fake CPU devices (conftest's CHILD_DEVICES; the test process
-    has more), sharing a compilation cache."""
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache"))
+    """The trials' processes on 2 fake CPU devices (conftest's CHILD_DEVICES; the test process
+    has more)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     flags.append("--xla_force_host_platform_device_count=2")
     monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
-@pytest.mark.system  # three tiny runs: CI keeps sweep validation, dry runs and tables
-def test_sweep_runs_tables_and_skips_finished_points(tmp_path, capsys, two_devices):
+def test_a_two_worker_study(tmp_path, capfd, two_devices):
+    import json
+
     corpus = tmp_path / "corpus.jsonl"
     with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
         corpus.write_text("".join(f.readlines()[:60]))
-    config = _config_file(tmp_path, POINTS) + ":smoke"
+    config = _config_file(tmp_path, SEARCH) + ":smoke"
     prefix = str(tmp_path / "sweep")
-    args = ["--config", config, "--workdir", prefix, f"--config.data.corpus={corpus}"]
-    args += [f"--config.{o}" for o in COMMON]
+    args = ["--config", config, "--workdir", prefix, "--workers", "2"]
+    args += [f"--config.data.corpus={corpus}", *(f"--config.{o}" for o in COMMON)]
 
-    rc, out, err = _sweep(capsys, *args)
-    assert rc == 1, out[-3000:] + err[-3000:]  # the third point failed
-    names = ["eval_examples=8", "eval_examples=24", "num_candidates=1000"]
-    assert sorted(os.listdir(prefix)) == sorted(  # run_config.json: the prepare's record
-        [*names, "data", "run_config.json", "sweep.csv", "sweep.json", "sweep.md"]
-    )
-    assert "[point 1/3 eval_examples=8] step 4/4" in out
-    assert "[point 3/3 num_candidates=1000] realm-jax local: error: train.num_candidates" in out
-    assert "failed points: num_candidates=1000" in err
+    rc, out, err = _sweep(capfd, *args)
+    assert rc == 0, out[-4000:] + err[-3000:]
+    db = _db(prefix)
+    assert sorted(db) == [0, 1] and {t["state"] for t in db.values()} == {"COMPLETE"}
+    a, b = db[0], db[1]
+    assert a["params"] != b["params"]  # two points of the space
+    assert a["start"] < b["end"] and b["start"] < a["end"]  # run side by side
+    assert {t["attrs"]["worker"] for t in db.values()}.__len__() == 2  # by the two workers
+    for number, t in db.items():  # the objective is the run's own held-out value
+        workdir = json.loads(t["attrs"]["workdir"])
+        assert workdir == os.path.join(prefix, json.loads(t["attrs"]["name"]))
+        metrics = json.load(open(os.path.join(workdir, "metrics.json")))
+        assert metrics["complete"] and metrics["eval_step"] == 2
+        assert t["values"] == [pytest.approx(metrics["eval"]["recall@20"], rel=1e-9)]
+        run = load_config(
+            config, [o.removeprefix("--config.") for o in args if o[:9] == "--config."]
+        )
+        seed = int(t["params"]["train.seed"])
+        assert f"--config.train.seed={seed}" in open(os.path.join(workdir, "sweep.log")).read()
+        assert f"[trial {number} " in out and run.train.steps == 2
+    assert "2 of 2 done (2 complete, 0 pruned), 0 failed" in out
+
     table = _csv(prefix)
-    assert list(table) == names
-    for name in names[:2]:
-        workdir = os.path.join(prefix, name)
-        done = json.load(open(os.path.join(workdir, "DONE")))
-        assert done["step"] == 4 and done["returncode"] == 0 and done["wall_s"] > 0
-        assert not os.path.exists(os.path.join(workdir, "FAILED"))
-        row, tb = table[name], _tb_scalars(os.path.join(workdir, "tb"))
-        assert row["status"] == "done" and row["step"] == "4"
-        assert row["overrides"] == f"train.{name}"
-        assert float(row["wall_s"]) == pytest.approx(done["wall_s"])
-        # The final train metrics and the held-out evaluation at step 4, as TensorBoard has them.
-        for key in ("loss", "accuracy", "retrieval_utility", "null_doc_prob"):
-            assert float(row[f"train/{key}"]) == pytest.approx(tb[key][4], rel=1e-6), key
-        for key in ("accuracy", "retrieval_utility", "retrieval_entropy"):
-            assert float(row[f"eval/{key}"]) == pytest.approx(tb[f"eval/{key}"][4], rel=1e-6)
-        assert row["eval_step"] == "4"
-    assert [table[n]["eval/examples"] for n in names[:2]] == ["8", "24"]
-    failed = table[names[2]]
-    assert failed["status"] == "failed" and failed["step"] == ""
-    assert json.load(open(os.path.join(prefix, names[2], "FAILED")))["returncode"] == 2
-    md = open(os.path.join(prefix, "sweep.md")).read().splitlines()
-    assert md[0].startswith(f"# Sweep `{config}`")
-    assert "eval/retrieval_utility" in md[2] and len(md) == 4 + len(names)
-    assert "| eval_examples=8 | train.eval_examples=8 | done | 4 |" in md[4]
+    assert [int(r["trial"]) for r in table] == [0, 1]
+    for r in table:
+        t = db[int(r["trial"])]
+        assert r["state"] == "COMPLETE" and r["step"] == "2"
+        assert float(r["value"]) == pytest.approx(t["values"][0], rel=1e-9)
+        assert f"train.seed={int(t['params']['train.seed'])}" in r["params"]
+    md = open(os.path.join(prefix, "sweep.md")).read()
+    assert md.startswith(f"# Sweep `{config}`") and "| 0 | seed=" in md and "| 1 | seed=" in md
+    for png in ("optimization_history.png", "param_importances.png", "intermediate_values.png"):
+        with open(os.path.join(prefix, "plots", png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
 
-    done_before = {n: open(os.path.join(prefix, n, "DONE")).read() for n in names[:2]}
-    rc, out, err = _sweep(capsys, *args)  # the re-run: only the failed point runs again
-    assert rc == 1
-    for name in names[:2]:
-        assert f"skipping {name}" in out
-        assert f"[point 1/3 {name}]" not in out and f"[point 2/3 {name}]" not in out
-        assert open(os.path.join(prefix, name, "DONE")).read() == done_before[name]
-    assert "[prepare data]" in out and "[point 3/3 num_candidates=1000]" in out
-    table = _csv(prefix)
-    assert [r["status"] for r in table.values()] == ["skipped", "skipped", "failed"]
-    assert table["eval_examples=8"]["train/loss"] != ""
+    # the best command trains the best trial's point
+    best = max(db, key=lambda n: db[n]["values"][0])
+    line = next(x for x in out.splitlines() if x.startswith("sweep: the best trial's config: "))
+    argv = shlex.split(line.split(": ", 2)[2])
+    assert argv[3:8] == ["train", "--config", config, "--workdir", os.path.join(prefix, "best")]
+    assert line.split(": ", 2)[2] in md
+    got = load_config(config, [a.removeprefix("--config.") for a in argv[8:]])
+    assert got.train.seed == int(db[best]["params"]["train.seed"])
+    assert got.train.log_every == [1, 2][int(db[best]["params"]["train.log_every"])]
 
-    os.remove(os.path.join(prefix, "sweep.csv"))  # --table rebuilds it from disk alone
-    rc, out, err = _sweep(capsys, "--table", prefix)
+    # the same command again: nothing is repeated
+    rc, out, err = _sweep(capfd, *args)
     assert rc == 0, err
-    rebuilt = _csv(prefix)
-    assert [r["status"] for r in rebuilt.values()] == ["done", "done", "failed"]
-    for name in names[:2]:
-        assert {k: v for k, v in rebuilt[name].items() if k != "status"} == {
-            k: v for k, v in table[name].items() if k != "status"
-        }
+    assert "[trial" not in out and sorted(_db(prefix)) == [0, 1]
+
+    os.remove(os.path.join(prefix, "sweep.csv"))  # --table rebuilds it from the study alone
+    rc, out, err = _sweep(capfd, "--table", prefix)
+    assert rc == 0, err
+    assert _csv(prefix) == table
 
 
-@pytest.mark.parametrize(
-    "points, message",
-    [
-        ([{"train.lr": 1e-3}, {"train.lrr": 1e-3}], "train.lrr"),
-        ([{"train.batch_size": "big"}], "train.batch_size"),
-        ([{"train.lr": 1e-3}, {"train.lr": 1e-3}], "duplicate run names"),
-        (None, "defines no sweep"),
-    ],
-)
-def test_a_bad_sweep_fails_cleanly_before_running(tmp_path, capsys, points, message):
-    if points is None:
-        path = tmp_path / "no_sweep.py"
-        path.write_text(WRAPPER.split("def sweep")[0])
-        config = str(path)
-    else:
-        config = _config_file(tmp_path, points)
-    prefix = tmp_path / "sweep"
-    rc, out, err = _sweep(capsys, "--config", config + ":smoke", "--workdir", str(prefix))
-    assert rc == 2
-    assert err.count("\n") == 1 and err.startswith("realm-jax sweep: error: ")
-    assert message in err
-    assert not prefix.exists()  # nothing ran, nothing was written
-
-
-def test_a_bad_common_override_is_named(tmp_path, capsys):
-    rc, _, err = _sweep(
-        capsys, "--config", REALM + ":smoke", "--workdir", str(tmp_path / "s"), "--config.x.y=1"
-    )
-    assert rc == 2 and "common overrides" in err and "x.y" in err
-
-
-def test_dry_run_prints_one_line_per_point(tmp_path, capsys):
-    config = _config_file(tmp_path, POINTS[:2])
-    names = ("eval_examples=8", "eval_examples=24")
+def test_dry_run_prints_the_prepare_and_the_trials(tmp_path, capsys):
+    config = _config_file(tmp_path, GRID, task=REALM)
     prefix = str(tmp_path / "sweep")
     rc, out, _ = _sweep(capsys, "--config", config, "--workdir", prefix, "--dry_run")
     assert rc == 0
     lines = out.splitlines()
-    assert len(lines) == 3 and " prepare " in lines[0]  # the shared data, then each point
-    for line, name in zip(lines[1:], names, strict=True):
+    assert lines[0].startswith("sweep: a grid of 3 points, objective eval/accuracy")
+    assert " prepare " in lines[1] and lines[1].endswith(f"--config.data.data_dir={prefix}/data")
+    trials = [x for x in lines if " local " in x]
+    names = ["eval_examples=8", "eval_examples=24", "lr=0.001"]
+    for line, name in zip(trials, names, strict=True):
         assert f" local --config {config}:small --workdir {prefix}/{name} " in line
-        assert line.endswith(f"--config.train.{name} --config.data.data_dir={prefix}/data")
+        assert line.endswith(f"--config.data.data_dir={prefix}/data")
     assert not os.path.exists(prefix)
 
-
-def test_only_runs_the_named_points(tmp_path, capsys):
-    config = _config_file(tmp_path, POINTS[:2])
-    prefix = str(tmp_path / "sweep")
-    args = ["--config", config, "--workdir", prefix, "--dry_run"]
-    rc, out, _ = _sweep(capsys, *args, "--only", "eval_examples=24")
-    lines = out.splitlines()
-    assert rc == 0 and len(lines) == 2 and f"{prefix}/eval_examples=24 " in lines[1]
-    rc, _, err = _sweep(capsys, *args, "--only", "eval_examples=9")
-    assert rc == 2 and "no sweep point named eval_examples=9" in err
+    search = _config_file(tmp_path, SEARCH, "search.py")  # ICT: `train`
+    rc, out, _ = _sweep(capsys, "--config", search, "--workdir", prefix, "--dry_run",
+                        "--workers", "2")  # fmt: skip
+    assert rc == 0 and out.count("# worker ") == 2
+    assert " train --config " in out and " local " not in out
+    assert "'--config.train.seed=<integer>' '--config.train.log_every=<choice>'" in out
 
 
-def test_tpu_dry_run_prints_one_launch_per_point(tmp_path, capfd):
-    rc = cli.main(
-        ["sweep", "--config", REALM, "--workdir", "/mnt/shared/lr", "--dry_run"]
-        + ["--tpu", "realm-v4", "us-central2-b", "--config.train.steps=100"]
-    )
-    out = capfd.readouterr().out  # tpu/sweep.sh's output
-    assert rc == 0
-    lines = out.splitlines()
-    assert len(lines) == 6, out  # configs/realm.py's sweep: 3 learning rates x 2 candidates
-    for line in lines:
-        assert "tpu/launch.sh --wait --run lr=" in line
-        assert " realm-v4 us-central2-b /mnt/shared/lr/lr=" in line
+def test_tpu_dry_run_prints_one_launch_per_slice(tmp_path, capsys):
+    rc, out, err = _sweep(
+        capsys, "--config", REALM, "--workdir", "/mnt/shared/lr", "--dry_run",
+        "--tpu", "realm-a:us-central2-b,realm-b:europe-west4-a", "--storage", "grpc://10.0.0.2:13000",
+        "--config.train.steps=100",
+    )  # fmt: skip
+    assert rc == 0, err
+    launches = [x for x in out.splitlines() if "tpu/launch.sh" in x]
+    assert len(launches) == 6  # configs/realm.py's grid: 3 learning rates x 2 candidates
+    for i, line in enumerate(launches):
+        slice_ = ("realm-a us-central2-b", "realm-b europe-west4-a")[i // 3]  # worker 0, 1
+        assert " --wait --run lr=" in line and "--env 'REALM_JAX_TRIAL={...}'" in line
+        assert f" {slice_} /mnt/shared/lr/lr=" in line
         assert " configs/realm.py:small --config.train.steps=100 --config.train.lr=" in line
+    assert " prepare " not in out  # with --tpu the data is prepared beforehand
 
 
 SWEEP_FILES = {
@@ -248,65 +223,22 @@ SWEEP_FILES = {
 
 
 @pytest.mark.parametrize("name", sorted(SWEEP_FILES))
-def test_every_shipped_sweep_validates_with_its_training_command(name, tmp_path):
-    from realm_jax.sweep import runner
+def test_every_shipped_sweep_validates_with_its_training_command(name):
+    from realm_jax.sweep import space
 
     path = os.path.join(REPO, SWEEP_FILES[name])
-    for variant in ("smoke", "small", "base", "squad"):
-        points = runner.load_points(f"{path}:{variant}", str(tmp_path), [])
-        assert len(points) >= 2 and len({p.name for p in points}) == len(points)
-        for p in points:  # the point's overrides reached its config
-            for override in p.overrides:
-                key, value = override.removeprefix("--config.").split("=")
-                section, field = key.split(".")
-                assert str(p.config[section][field]) == value, (variant, p.name, key)
-            assert (
-                runner.RUN_COMMAND[p.config.task]
-                == {
-                    "realm": "local",
-                    "ict": "train",
-                    "orqa": "finetune",
-                    "ablations": "local",
-                }[name]
-            )
-
-
-def test_table_only_reads_what_a_tpu_sweep_left(tmp_path, capsys):
-    """tpu/sweep.sh's DONE holds a date; the metrics come from the run's metrics.json."""
-    prefix = tmp_path / "lr"
-    first = prefix / "lr=5e-05,num_candidates=4"
-    first.mkdir(parents=True)
-    (first / "DONE").write_text("2026-11-23T05:00:00Z\n")
-    metrics = {
-        "step": 2000,
-        "steps": 2000,
-        "complete": True,
-        "train": {"loss": 7.25, "grad_norm": 1.5},
-        "eval_step": 2000,
-        "eval": {"accuracy": 0.125, "retrieval_utility": 0.0625},
-        "console_keys": {"train": ["loss"], "eval": ["accuracy", "retrieval_utility"]},
-    }
-    (first / "metrics.json").write_text(json.dumps(metrics))
-    rc, _, err = _sweep(capsys, "--config", REALM, "--workdir", str(prefix), "--table_only")
-    assert rc == 0, err
-    table = _csv(prefix)
-    assert len(table) == 6
-    row = table["lr=5e-05,num_candidates=4"]
-    assert (row["status"], row["step"], row["wall_s"]) == ("done", "2000", "")
-    assert (row["train/loss"], row["train/grad_norm"]) == ("7.25", "1.5")
-    assert (row["eval/accuracy"], row["eval/retrieval_utility"]) == ("0.125", "0.0625")
-    assert {r["status"] for n, r in table.items() if n != row["name"]} == {"pending"}
-    md = (prefix / "sweep.md").read_text().splitlines()
-    assert md[2] == (
-        "| name | overrides | status | step | train/loss | eval_step | eval/accuracy "
-        "| eval/retrieval_utility | wall_s |"
-    )  # the markdown keeps the task's console keys
-    assert md[4].startswith(
-        "| lr=5e-05,num_candidates=4 | train.lr=5e-05 train.num_candidates=4 | done | 2000 "
-        "| 7.25 | 2000 | 0.125 | 0.0625 |  |"
-    )
-    (prefix / "sweep.csv").unlink()
-    assert _sweep(capsys, "--table", str(prefix))[0] == 0  # from the saved plan alone
-    assert _csv(prefix) == table
-    rc, _, err = _sweep(capsys, "--table", str(tmp_path))
-    assert rc == 2 and "sweep.json not found" in err
+    for variant in ("smoke", "small", "base", "squad", "world"):
+        if name == "ablations" and variant == "world":
+            continue
+        study = space.load(f"{path}:{variant}")  # every point (a search: its ends) validated
+        command = {"realm": "local", "ict": "train", "orqa": "finetune", "ablations": "local"}
+        assert space.RUN_COMMAND[study.task] == command[name]
+        if study.kind == "grid":
+            assert len(study.points) >= 2
+            for point in study.points:  # the point's overrides reach its config
+                config = space.point_config(study, point)
+                for key, value in point.items():
+                    section, field = key.split(".")
+                    assert config[section][field] == value, (variant, key)
+        else:
+            assert study.trials >= 2 and len(study.params) >= 2
