@@ -277,12 +277,13 @@ if (( wait )); then
     on all "$foreground"
     rc=0
   else
-    # SIGTERM or SIGINT here (the sweep's worker ended, Ctrl-C) stops the trainers on the
-    # workers too (they checkpoint first), waits for them, and stops the refresher: an ended
-    # ssh session alone would leave them holding the slice's chips. (The ssh runs in the
-    # background so that `wait` returns to the trap at once.)
+    # SIGTERM or SIGINT here (the sweep's worker ended or stops, Ctrl-C) stops the trainers on
+    # the workers too (they checkpoint first), waits for them, and stops the refresher: an
+    # ended ssh session alone would leave them holding the slice's chips. The ssh runs in the
+    # background, so that `wait` returns to the trap at once, and ignores both signals (a
+    # SIGINT to the process group too), so that it lasts as long as the trainers.
     trap stop_foreground TERM INT
-    on all "$foreground" &
+    ( trap '' TERM INT; on all "$foreground" ) &
     ssh_pid=$!
     set +e
     wait "$ssh_pid"

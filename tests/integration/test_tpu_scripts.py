@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -306,10 +307,14 @@ def test_launch_prepare_on_dataflow():
 # and runs until a release file appears (or SIGTERM); a curl that fails (no metadata server: the
 # worker id is the hostname).
 EXEC_GCLOUD = """#!{python}
-import os, subprocess, sys
+import os, signal, subprocess, sys
 command = next(a for a in sys.argv if a.startswith("--command=")).removeprefix("--command=")
 env = dict(os.environ, HOME=os.environ["FAKE_HOME"])
-sys.exit(subprocess.run(["bash", "-c", command], env=env).returncode)
+def remote():  # as on the worker: none of this side's ignored signals, nor its process group
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+    os.setsid()
+sys.exit(subprocess.run(["bash", "-c", command], env=env, preexec_fn=remote).returncode)
 """
 FAKE_PYTHON = """#!/usr/bin/env bash
 if [ "$1 $2" = "-m realm_jax" ]; then
@@ -450,15 +455,18 @@ def test_launch_detaches_the_trainer_and_refresher_and_stops_them(exec_pod, tmp_
     assert not list(logs.glob("*.pid"))
 
 
-def test_launch_wait_stops_the_trainers_when_it_is_stopped(exec_pod, tmp_path):
-    """launch.sh --wait (a sweep trial) given SIGTERM, as when its sweep worker ends: the
-    trainers on the workers get SIGTERM too (they would checkpoint), then the refresher; it
-    exits 143 once they have ended, leaving no pid file and nothing running."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_launch_wait_stops_the_trainers_when_it_is_stopped(exec_pod, tmp_path, signum):
+    """launch.sh --wait (a sweep trial) stopped as its sweep worker stops it: SIGINT to its
+    process group (the worker stopping), or SIGTERM (the worker killed: PR_SET_PDEATHSIG). The
+    trainers on the workers get SIGTERM (they would checkpoint), then the refresher; it exits
+    143 once they have ended, leaving no pid file and nothing running."""
     env, repo, _ = exec_pod
     p = subprocess.Popen(
         ["bash", LAUNCH, "--wait", "tpu1", "z", str(tmp_path / "shared" / "t1"),
          "configs/realm.py:base"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )  # fmt: skip
     logs = repo / "logs" / "t1"
     train_log = logs / f"train-w{os.uname().nodename}.log"
@@ -467,7 +475,7 @@ def test_launch_wait_stops_the_trainers_when_it_is_stopped(exec_pod, tmp_path):
         assert _wait_for(started, 60)
         pids = [int(f.read_text()) for f in logs.glob("*.pid")]
         assert len(pids) == 2 and all(_alive(x) for x in pids)  # the trainer and the refresher
-        p.terminate()
+        os.killpg(p.pid, signum)
         out, err = p.communicate(timeout=60)
     finally:
         p.kill()
