@@ -10,7 +10,7 @@
 #                    (python -m realm_jax.sweep.proxy --storage postgresql://... --port 13000).
 #                    Not SQLite (a file on this machine) and not localhost (each VM's own)
 #   --trials N       a search's number of trials (default: the config's Search(trials=...);
-#                    a grid runs its points); trials finished in the study count
+#                    a grid runs its points and refuses it); trials finished in the study count
 #   --study NAME     the study's name in the storage (default: sweep)
 #   PREFIX           gs://BUCKET/FOLDER, or an absolute path that every worker of every slice
 #                    mounts; a trial runs in PREFIX/<its params>
@@ -26,15 +26,20 @@
 # with this repo's .venv/bin/python ($PYTHON or python3 without one): one Optuna worker per
 # slice, each running its trials one after another on its slice with
 #   tpu/launch.sh --wait --run TRIAL --env REALM_JAX_TRIAL=... NAME ZONE PREFIX/TRIAL CONFIG ...
-# (REALM_JAX_TRIAL links the trainers to their trial: reports, pruning). Stopped or crashed,
-# the same command resumes the study: finished trials are never repeated.
+# (REALM_JAX_TRIAL links the trainers to their trial: reports, pruning). Stopped (Ctrl-C: the
+# running trials' trainers checkpoint and stop) or crashed, the same command resumes the study:
+# finished trials are never repeated.
+# The data must be prepared before: PREFIX/data (or --config.data.data_dir=FOLDER), e.g.
+#   python -m realm_jax prepare --config CONFIG --workdir PREFIX --config.data.corpus=...
+# with the same overrides (or tpu/launch.sh --prepare NAME ZONE PREFIX CONFIG ... on a slice).
 # More workers from another machine: the same command there with other slices, the same
 # --storage and --study (tpu/sweep.sh --storage URL --study NAME PREFIX CONFIG OTHER:ZONE).
 # Queued resources: tpu/create.sh --queued NAME ZONE TYPE; once
 # `gcloud compute tpus queued-resources describe NAME --zone=ZONE` says ACTIVE, the TPU VM NAME
 # exists: tpu/setup.sh NAME ZONE, then name NAME:ZONE here (or add a worker on it as above).
 # The table and plots: python -m realm_jax sweep --table PREFIX --storage URL --study NAME.
-# A password in URL is printed as *** (the gRPC proxy keeps it off the TPU VMs altogether).
+# This script prints a password in URL as ***; the trials' commands carry URL as it is, to
+# the TPU VMs too: the gRPC proxy keeps the database's password on the proxy's machine.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }

@@ -673,6 +673,23 @@ def test_sweep_dry_run_prints_the_study_command(prefix):
     assert "hunter2" not in r.stdout + r.stderr  # a password is never printed
 
 
+def test_sweep_command_is_one_the_cli_accepts():
+    """The printed command parses with realm_jax's own parser, to the values given."""
+    from realm_jax import cli
+
+    r = _run(
+        SWEEP, "--dry-run", "--storage", GRPC, "--trials", "3", "--study", "s1",
+        "gs://my-bucket/sw", "configs/realm.py:base", "a:us-central2-b,b:us-central2-b",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    args = cli._parser().parse_args(_sweep_words(r.stdout)[3:])
+    assert (args.command, args.workdir, args.storage, args.study) == (
+        "sweep", "gs://my-bucket/sw", GRPC, "s1",
+    )  # fmt: skip
+    assert int(args.workers) == 2 and int(args.trials) == 3
+    assert "a:us-central2-b,b:us-central2-b" in str(args.tpu)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
