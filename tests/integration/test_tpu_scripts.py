@@ -690,6 +690,41 @@ def test_sweep_command_is_one_the_cli_accepts():
     assert "a:us-central2-b,b:us-central2-b" in str(args.tpu)
 
 
+def test_the_sweep_workers_launch_command_runs_as_launch_sh_takes_it():
+    """A --tpu worker's trial command (realm_jax/sweep/worker.py) is one tpu/launch.sh accepts:
+    its trainers on the worker's slice in the trial's workdir, with the trial's link exported
+    intact and the point's overrides."""
+    from realm_jax.sweep.worker import Plan, trial_command
+
+    plan = Plan(
+        spec=os.path.join(REPO, "configs/realm.py:base"), extra=["train.steps=100"],
+        prefix="gs://my-bucket/sw", storage=GRPC, study="s1", tpu=["sweep-b", "us-central2-b"],
+    )  # fmt: skip
+    link = json.dumps({"storage": GRPC, "study": "s1", "trial_id": 3, "objective": "eval/accuracy",
+                       "direction": "maximize", "retry_s": 300.0,
+                       "pruner": {"name": "median", "n_startup_trials": 2}})  # fmt: skip
+    name = "lr=0.0001,num_candidates=8"
+    point = {"train.lr": 0.0001, "train.num_candidates": 8}
+    cmd = trial_command(plan, "realm", name, f"gs://my-bucket/sw/{name}", point,
+                        "gs://my-bucket/sw/data", link)  # fmt: skip
+    assert cmd[0] == LAUNCH
+    r = _run(LAUNCH, "--dry-run", *cmd[1:])
+    assert r.returncode == 0, r.stderr
+    (train,) = [_flag(w, "--command") for w in _ssh_lines(r.stdout) if "--worker=all" in w]
+    assert {w[5] for w in _ssh_lines(r.stdout)} == {"sweep-b"}
+    assert _exported(train) == {"REALM_JAX_TRIAL": link}
+    words = _words(train.split(" && exec ")[1].split(" > ")[0])
+    assert words[:9] == [
+        ".venv/bin/python", "-m", "realm_jax", "train", "--config", "configs/realm.py:base",
+        "--workdir", f"gs://my-bucket/sw/{name}", "--multihost",
+    ]  # fmt: skip
+    assert words[9:] == [
+        "--config.train.steps=100", "--config.train.lr=0.0001",
+        "--config.train.num_candidates=8", "--config.data.data_dir=gs://my-bucket/sw/data",
+    ]  # fmt: skip
+    assert f"logs/{name}/train-w" in train
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
