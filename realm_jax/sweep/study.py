@@ -26,7 +26,7 @@ import sys
 from realm_jax import fs
 from realm_jax.config import ConfigError, load_config
 from realm_jax.sweep import devices, space, storage, table
-from realm_jax.sweep.worker import Plan, data_folder, die_with_parent, prepare_command
+from realm_jax.sweep.launch import Plan, data_folder, die_with_parent, prepare_command
 
 STUDY = "sweep"  # --study's default
 
@@ -136,6 +136,11 @@ def run(args, overrides: list[str]) -> int:
         raise ConfigError(f"--workers {workers} with {len(slices)} TPU slices: one worker a slice")
     if workers < 1:
         raise ConfigError(f"--workers {workers}: at least 1")
+    if not 0 < args.heartbeat_s < args.grace_s:
+        raise ConfigError(
+            f"--heartbeat_s {args.heartbeat_s:g} and --grace_s {args.grace_s:g}: "
+            "need 0 < heartbeat_s < grace_s"
+        )
     if sweep.kind == "grid" and args.trials:
         raise ConfigError(
             f"--trials bounds a search; this sweep is a grid of {len(sweep.points)} points"
@@ -170,10 +175,10 @@ def run(args, overrides: list[str]) -> int:
     fs.makedirs(prefix)
     study = _open_study(sweep, url, plan.study)
     storage.fail_stale(study, plan.grace_s)  # a crashed earlier run's trials
+    plan.first_number = len(study.get_trials(deepcopy=False))  # this run's trials: from here
     if sweep.kind == "grid":
         n = _enqueue_grid(sweep, study)
         print(f"sweep: {n} of {len(sweep.points)} grid points to run", flush=True)
-    plan.first_number = len(study.get_trials(deepcopy=False))
     if not slices:
         for folder, point in folders.items():
             cmd = prepare_command(plan, point, folder)
@@ -209,6 +214,11 @@ def _run_workers(plan: Plan, slices, envs) -> int:
                 preexec_fn=die_with_parent,
             )
         )
+
+    def stop(signum, _frame):  # SIGTERM as Ctrl-C: the workers stop their trials cleanly
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, stop), signal.getsignal(signal.SIGINT)
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
@@ -220,13 +230,20 @@ def _run_workers(plan: Plan, slices, envs) -> int:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: still wait for them
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C: still wait for them
+            signal.signal(sig, signal.SIG_IGN)
         for p in procs:
             p.wait()
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
     if any(c == 130 for c in codes):
         return 130
-    bad = [i for i, c in enumerate(codes) if c != 0]
+    for i, c in enumerate(codes):
+        if c < 0:  # killed: its trial, failed by the others' heartbeat check, ran again
+            print(f"sweep: worker {i} was killed (signal {-c})", file=sys.stderr, flush=True)
+    bad = [i for i, c in enumerate(codes) if c > 0]
     if bad:
         print(
             f"sweep: worker(s) {', '.join(map(str, bad))} exited with "
@@ -276,7 +293,7 @@ def _finish(study, plan: Plan, rc: int) -> int:
 def _dry_run(sweep: space.Study, plan: Plan, folders, slices, envs) -> int:
     """Print what would run: the prepares, and per worker its environment and trial commands (a
     grid's points; a search's with its params to be sampled)."""
-    from realm_jax.sweep.worker import trial_command
+    from realm_jax.sweep.launch import trial_command
 
     if not slices:
         for folder, point in folders.items():

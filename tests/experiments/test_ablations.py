@@ -180,7 +180,7 @@ def test_the_arms_share_one_prepared_folder(tmp_path):
     refused them once, their data sections differing in data.mask_mode)."""
     from realm_jax.config import load_config
     from realm_jax.sweep import space
-    from realm_jax.sweep.worker import data_folder
+    from realm_jax.sweep.launch import data_folder
 
     for extra in ([], ["data.block_len=64"]):
         study = space.load(f"{ABLATIONS}:smoke", extra)

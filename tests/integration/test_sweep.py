@@ -138,7 +138,8 @@ def test_a_two_worker_study(tmp_path, capfd, two_devices):
         seed = int(t["params"]["train.seed"])
         assert f"--config.train.seed={seed}" in open(os.path.join(workdir, "sweep.log")).read()
         assert f"[trial {number} " in out and run.train.steps == 2
-    assert "2 of 2 done (2 complete, 0 pruned), 0 failed" in out
+    assert "1 of 2 done (1 complete, 0 pruned), 0 failed, 1 running; best " in out
+    assert "; ETA " in out and "2 of 2 done (2 complete, 0 pruned), 0 failed" in out
 
     table = _csv(prefix)
     assert [int(r["trial"]) for r in table] == [0, 1]
