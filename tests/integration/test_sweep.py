@@ -243,3 +243,58 @@ def test_every_shipped_sweep_validates_with_its_training_command(name):
                     assert config[section][field] == value, (variant, key)
         else:
             assert study.trials >= 2 and len(study.params) >= 2
+
+
+def test_heartbeats_and_the_table_through_the_grpc_proxy(tmp_path, capsys):
+    """`python -m realm_jax.sweep.proxy` in front of a SQLite file: a trial whose worker stopped
+    beating is failed and enqueued again through it, and `sweep --table` reads the study there."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import optuna
+
+    from realm_jax.sweep import storage
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = f"sqlite:///{tmp_path}/study.db"
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "realm_jax.sweep.proxy", "--storage", db, "--host", "127.0.0.1",
+         "--port", str(port)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url = f"grpc://127.0.0.1:{port}"
+        st = storage.open_storage(url)
+        study = optuna.create_study(storage=st, study_name="sweep")
+        attrs = {"spec": f"{ICT}:smoke", "extra": [], "task": "ict", "kind": "search",
+                 "objective": "eval/recall@5"}  # fmt: skip
+        study.set_user_attr("realm_jax", attrs)
+        lost, alive = study.ask(), study.ask()
+        for t in (lost, alive):
+            t.suggest_int("train.seed", 0, 100)
+            t.set_user_attr("workdir", str(tmp_path / f"t{t.number}"))
+        time.sleep(0.5)
+        storage.beat(st, alive._trial_id)
+        assert storage.fail_stale(study, grace_s=0.3) == [lost.number]
+        states = [t.state.name for t in study.get_trials()]
+        assert states == ["FAIL", "RUNNING", "WAITING"]
+        study.tell(alive, 0.5)
+        rc = cli.main(["sweep", "--table", str(tmp_path / "sw"), "--storage", url])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        table = _csv(str(tmp_path / "sw"))
+        assert [r["state"][:4] for r in table] == ["FAIL", "COMP", "WAIT"]
+        assert "--workdir " + str(tmp_path / "sw" / "best") in out
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=30)
+    # the proxy served the SQLite file: the trials are there
+    con = sqlite3.connect(f"{tmp_path}/study.db")
+    assert [s for (s,) in con.execute("SELECT state FROM trials ORDER BY number")] == [
+        "FAIL", "COMPLETE", "WAITING"
+    ]  # fmt: skip
+    con.close()
