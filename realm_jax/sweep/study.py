@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -136,6 +137,12 @@ def run(args, overrides: list[str]) -> int:
         raise ConfigError(f"--workers {workers} with {len(slices)} TPU slices: one worker a slice")
     if workers < 1:
         raise ConfigError(f"--workers {workers}: at least 1")
+    if slices:  # the TPU VMs run the config by its path in their copy of the repo
+        from realm_jax.sweep.launch import REPO
+
+        path = sweep.spec.rsplit(":", 1)[0]
+        if os.path.relpath(os.path.abspath(path), REPO).startswith(".."):
+            raise ConfigError(f"{path}: a TPU sweep's config must be inside the repo ({REPO})")
     if not 0 < args.heartbeat_s < args.grace_s:
         raise ConfigError(
             f"--heartbeat_s {args.heartbeat_s:g} and --grace_s {args.grace_s:g}: "
@@ -200,8 +207,6 @@ def _worker_plans(plan: Plan, slices, envs) -> list[tuple[Plan, dict]]:
 
 def _run_workers(plan: Plan, slices, envs) -> int:
     """Start the workers, wait for them; Ctrl-C: one SIGINT each, wait, 130."""
-    import os
-
     procs = []
     for p, env in _worker_plans(plan, slices, envs):
         cmd = [sys.executable, "-m", "realm_jax.sweep.worker", json.dumps(dataclasses.asdict(p))]
@@ -328,6 +333,8 @@ def table_command(args) -> int:
     import optuna
 
     prefix = fs.abspath(args.table)
+    if fs.is_remote(prefix) and not args.storage:
+        raise ConfigError(f"--table {prefix}: name the study's database with --storage URL")
     url = args.storage or storage.default_url(prefix)
     if url.startswith("sqlite:") and not fs.exists(url.split("sqlite:///", 1)[-1]):
         raise ConfigError(

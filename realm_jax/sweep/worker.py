@@ -201,6 +201,9 @@ class Worker:
         except (ConfigError, ValueError) as e:  # a point that does not apply: the trial fails
             self._fail(trial, frozen.number, " ".join(str(e).split())[:300])
             return
+        if self.stopping:  # interrupted while it prepared: run it another time
+            self._interrupted(trial, frozen, "before it started")
+            return
         link = json.dumps(
             {
                 "storage": plan.storage,

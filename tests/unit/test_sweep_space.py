@@ -154,6 +154,7 @@ def test_cli_refusals(tmp_path, capsys):
         (["--workdir", prefix, "--tpu", "a", "--storage", "grpc://h:1"], "each slice is NAME:ZONE"),
         (["--workdir", prefix, "--tpu", "a:z,b:z", "--workers", "3", "--storage", "grpc://h:1"],
          "--workers 3 with 2 TPU slices"),
+        (["--workdir", prefix, "--tpu", "a:z", "--storage", "grpc://h:1"], "inside the repo"),
         (["--workdir", prefix, "--storage", "grpc://host"], "grpc://HOST:PORT"),
         (["--workdir", prefix, "--storage", "study.db"], "not a database URL"),
         (["--workdir", prefix, "--config.train.lrr=1"], "common overrides"),
