@@ -218,7 +218,7 @@ def write_plots(study, prefix: str) -> list[str]:
         wanted.append(("optimization_history.png", ovm.plot_optimization_history))
     if len(complete) >= 2 and len(params) > 1:
         wanted.append(("param_importances.png", ovm.plot_param_importances))
-    if any(t.intermediate_values for t in trials):
+    if any(t.intermediate_values and t.state.name != "FAIL" for t in trials):  # Optuna's
         wanted.append(("intermediate_values.png", ovm.plot_intermediate_values))
     done = []
     folder = fs.join(prefix, "plots")

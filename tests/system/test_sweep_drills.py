@@ -79,6 +79,19 @@ def _corpus(tmp_path) -> str:
     return str(corpus)
 
 
+STARTED = []  # the sweeps a test started: stopped at its end if still running
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftovers():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:  # its workers and trainers die with it (PR_SET_PDEATHSIG)
+            proc.kill()
+            proc.wait(timeout=60)
+
+
 def _start(tmp_path, task, body, overrides, *flags, prefix=None):
     """`realm-jax sweep` as its own process (its output in tmp_path/sweep-N.out)."""
     config = tmp_path / "sweep_config.py"
@@ -94,6 +107,7 @@ def _start(tmp_path, task, body, overrides, *flags, prefix=None):
     cmd += [f"--config.{o}" for o in overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     proc.out_path, proc.prefix = out.name, prefix
+    STARTED.append(proc)
     return proc
 
 
@@ -103,7 +117,8 @@ def _output(proc) -> str:
 
 def _trials(prefix) -> dict[int, dict]:
     """{number: state, value, params, user attrs, system attrs, intermediate values} (sqlite3)."""
-    con = sqlite3.connect(os.path.join(prefix, "study.db"), timeout=60)
+    path = os.path.join(prefix, "study.db")
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)  # never makes the file
     out = {}
     for tid, number, state in con.execute("SELECT trial_id, number, state FROM trials"):
         q = lambda sql, tid=tid: list(con.execute(f"{sql} WHERE trial_id={tid}"))  # noqa: E731
@@ -146,9 +161,11 @@ def _log(workdir) -> str:
 
 def _training_past(prefix, step):
     """(number, trial) of a running trial whose log shows a step past `step`, else None."""
-    if not os.path.exists(os.path.join(prefix, "study.db")):
+    try:
+        trials = _trials(prefix)
+    except sqlite3.OperationalError:  # not there yet, or its tables being made
         return None
-    for number, t in _trials(prefix).items():
+    for number, t in trials.items():
         workdir = t["attrs"].get("workdir")
         if t["state"] == "RUNNING" and workdir and "worker" in t["attrs"]:
             log = _log(workdir)
