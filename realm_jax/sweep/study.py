@@ -186,6 +186,9 @@ def run(args, overrides: list[str]) -> int:
     if sweep.kind == "grid":
         n = _enqueue_grid(sweep, study)
         print(f"sweep: {n} of {len(sweep.points)} grid points to run", flush=True)
+    if not _pending(sweep, study, trials):
+        print("sweep: every trial of the study is finished", flush=True)
+        return _finish(study, plan, 0)
     if not slices:
         for folder, point in folders.items():
             cmd = prepare_command(plan, point, folder)
@@ -195,6 +198,15 @@ def run(args, overrides: list[str]) -> int:
             plan.prepared.append(folder)
     rc = _run_workers(plan, slices, envs)
     return _finish(study, plan, rc)
+
+
+def _pending(sweep: space.Study, study, trials: int) -> bool:
+    """Whether the study has trials left to run (waiting, running, or a search's budget)."""
+    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    if "WAITING" in states or "RUNNING" in states:
+        return True
+    done = states.count("COMPLETE") + states.count("PRUNED")
+    return sweep.kind == "search" and done < trials
 
 
 def _worker_plans(plan: Plan, slices, envs) -> list[tuple[Plan, dict]]:

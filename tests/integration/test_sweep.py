@@ -168,6 +168,7 @@ def test_a_two_worker_study(tmp_path, capfd, two_devices):
     rc, out, err = _sweep(capfd, *args)
     assert rc == 0, err
     assert "[trial" not in out and sorted(_db(prefix)) == [0, 1]
+    assert "every trial of the study is finished" in out and " prepare " not in out
 
     os.remove(os.path.join(prefix, "sweep.csv"))  # --table rebuilds it from the study alone
     rc, out, err = _sweep(capfd, "--table", prefix)
