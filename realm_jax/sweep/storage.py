@@ -50,9 +50,11 @@ def default_url(prefix: str) -> str:
     return f"sqlite:///{os.path.join(os.path.abspath(prefix), DB_NAME)}"
 
 
-def redact(url: str) -> str:
-    """The URL with its password as *** (for printing)."""
-    return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)
+def redact(text: str) -> str:
+    """A URL (or a command holding one) with its password as *** (for printing)."""
+    from realm_jax.sweep.trial import shown
+
+    return shown(text)
 
 
 def check(url: str, prefix: str, tpu: bool) -> None:

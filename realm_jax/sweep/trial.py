@@ -290,9 +290,10 @@ def _bounded(call: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
     return False, TimeoutError(f"no answer in {timeout:.0f} s")
 
 
-def shown(url: str) -> str:
-    """A storage URL as logs may show it: its password as ***."""
-    return re.sub(r"^([a-z0-9+]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
+def shown(text: str) -> str:
+    """A storage URL, or a command or log line holding one, as logs may show it: every
+    URL's password as ***."""
+    return re.sub(r"(://[^\s/@:'\"]*:)[^\s/@'\"]*@", r"\1***@", text)
 
 
 def _tag(name: str) -> str:

@@ -220,7 +220,8 @@ class Worker:
         fs.remove(pruned_path(workdir))  # an earlier trial's in this folder
         label = f"[trial {frozen.number} {name}]"
         print(
-            f"sweep: trial {frozen.number} {name} (worker {plan.worker}): {shlex.join(cmd)}",
+            f"sweep: trial {frozen.number} {name} (worker {plan.worker}): "
+            + storage.redact(shlex.join(cmd)),
             flush=True,
         )
         rc = self._stream(cmd, label, log_path(workdir), trial._trial_id, link)
@@ -253,7 +254,8 @@ class Worker:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         env = dict(os.environ, REALM_JAX_TRIAL=link)
         with open(path, "ab") as log:
-            log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {shlex.join(cmd)}\n".encode())
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log.write(f"# {stamp} {storage.redact(shlex.join(cmd))}\n".encode())
             log.flush()
             offset = log.tell()
             self.child = subprocess.Popen(

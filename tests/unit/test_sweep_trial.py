@@ -2,6 +2,8 @@
 what it reads, and one error naming the variable for each way it can be wrong. Its runs:
 tests/integration/test_trial_pruning.py."""
 
+import json
+import shlex
 import threading
 
 import pytest
@@ -128,3 +130,8 @@ def test_a_password_in_the_storage_url_is_never_shown():
     url = "postgresql+psycopg2://sweep:s3cr:et@db.internal:5432/study"
     assert trial_link.shown(url) == "postgresql+psycopg2://sweep:***@db.internal:5432/study"
     assert trial_link.shown("sqlite:////tmp/a:b@c/study.db") == "sqlite:////tmp/a:b@c/study.db"
+    # a trial's command as the worker prints and logs it: the link's JSON, shell-quoted
+    link = json.dumps({"storage": url, "study": "s", "trial_id": 3})
+    line = shlex.join(["python", "-m", "realm_jax", "train", f"REALM_JAX_TRIAL={link}"])
+    shown = trial_link.shown(line)
+    assert "s3cr" not in shown and "sweep:***@db.internal" in shown
