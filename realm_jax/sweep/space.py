@@ -78,30 +78,34 @@ def choice(values) -> Param:
     return Param("choice", values=tuple(values) if isinstance(values, list | tuple) else values)
 
 
-@dataclasses.dataclass
-class Search:
-    """A search space with its sampler; see the module docstring."""
+@dataclasses.dataclass(kw_only=True)
+class _Sweep:
+    """What a grid and a search both name (keywords only): the objective, its direction and the
+    pruner that stops a trial behind the others."""
 
-    params: dict
     objective: str | None = None
     direction: str = "maximize"
-    sampler: str = "tpe"
-    pruner: str = "median"
-    trials: int = 16
-    seed: int = 0
-    sampler_args: dict = dataclasses.field(default_factory=dict)  # the Optuna class's kwargs
+    pruner: str = "none"
     pruner_args: dict = dataclasses.field(default_factory=dict)  # e.g. {"n_startup_trials": 2}
 
 
 @dataclasses.dataclass
-class Grid:
+class Search(_Sweep):
+    """A search space with its sampler; see the module docstring."""
+
+    params: dict
+    pruner: str = dataclasses.field(default="median", kw_only=True)
+    sampler: str = "tpe"
+    trials: int = 16
+    seed: int = 0
+    sampler_args: dict = dataclasses.field(default_factory=dict)  # the Optuna class's kwargs
+
+
+@dataclasses.dataclass
+class Grid(_Sweep):
     """A list of points (override dicts), each run once, with its objective."""
 
     points: list
-    objective: str | None = None
-    direction: str = "maximize"
-    pruner: str = "none"
-    pruner_args: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -319,7 +323,13 @@ def _grid_of(path: str, s: Search) -> Grid:
     for key in keys:
         _check_param(path, key, s.params[key])
     points = [dict(zip(keys, vs)) for vs in itertools.product(*(s.params[k].values for k in keys))]
-    return Grid(points, s.objective, s.direction, s.pruner, dict(s.pruner_args))
+    return Grid(
+        points,
+        objective=s.objective,
+        direction=s.direction,
+        pruner=s.pruner,
+        pruner_args=dict(s.pruner_args),
+    )
 
 
 def _check_param(path: str, key: str, p) -> None:

@@ -18,18 +18,9 @@ from realm_jax.ict import commands as ict_commands
 from realm_jax.ict import step as ict_step
 from realm_jax.train import warm_start
 from tests.conftest import REPO
+from tests.support.realm_fixtures import tiny_networks
 
-ARCH = [
-    f"model.{part}.{k}={v}"
-    for part in ("embedder", "reader")
-    for k, v in (
-        ("hidden_size", 32),
-        ("num_layers", 1),
-        ("num_heads", 2),
-        ("intermediate_size", 64),
-        ("max_position_embeddings", 64),
-    )
-]
+ARCH = tiny_networks("embedder", "reader", max_positions=64)
 TINY = ARCH + [
     "model.vocab_size=512",
     "model.proj_dropout=0.0",

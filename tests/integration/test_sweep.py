@@ -13,59 +13,25 @@ import pytest
 from realm_jax import cli
 from realm_jax.config import load_config
 from tests.conftest import REPO
+from tests.support.sweeps import (
+    ICT,
+    ICT_COMMON,
+    REALM,
+    read_trials,
+    sample_corpus,
+    sweep_config,
+    two_device_flags,
+)
 
-REALM = os.path.join(REPO, "configs", "realm.py")
-ICT = os.path.join(REPO, "configs", "ict.py")
-# Tiny ICT runs (the cheapest trainer: one embedder, no reader): 60 passages of the bundled
-# sample (a quarter of them held out), 2 steps, held-out recall at steps 0 and 2.
-COMMON = [
-    f"model.embedder.{key}={value}"
-    for key, value in (
-        ("hidden_size", 32),
-        ("num_layers", 1),
-        ("num_heads", 2),
-        ("intermediate_size", 64),
-        ("max_position_embeddings", 128),
-    )
-] + [
-    "data.block_len=64",
-    "data.query_len=32",
-    "data.eval_split_key=doc_id",
-    "data.eval_fraction=0.25",
-    "train.batch_size=8",
-    "train.steps=2",
-    "train.checkpoint_every=2",
-    "train.eval_every=2",
-]
-# A config file of the test's own: a task config's variants (ICT's by default) and a search over
-# fields that do not change the compiled programs (the seed, the log interval), so that both
-# trials and a re-run share them; the held-out recall differs with the seed.
-WRAPPER = """
-import importlib.util
-from realm_jax.sweep import space
-
-_spec = importlib.util.spec_from_file_location("config_for_sweep_test", {path!r})
-_task = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_task)
-
-
-def get_config(arg=None):
-    return _task.get_config(arg)
-
-
-def sweep():
-    return {body}
-"""
+# Tiny ICT runs on 60 passages of the bundled sample, 2 steps, held-out recall at steps 0 and 2.
+COMMON = ICT_COMMON + ["train.steps=2", "train.checkpoint_every=2", "train.eval_every=2"]
+# The test's config files: ICT's variants by default and a search over fields that do not change
+# the compiled programs (the seed, the log interval), so that both trials and a re-run share them;
+# the held-out recall differs with the seed.
 SEARCH = """space.Search(
     params={"train.seed": space.integer(0, 10**6), "train.log_every": space.choice([1, 2])},
     objective="eval/recall@20", sampler="random", pruner="none", trials=2, seed=0)"""
 GRID = "[{'train.eval_examples': 8}, {'train.eval_examples': 24}, {'train.lr': 1e-3}]"
-
-
-def _config_file(tmp_path, body, name="sweep_config.py", task=ICT):
-    path = tmp_path / name
-    path.write_text(WRAPPER.format(path=task, body=body))
-    return str(path)
 
 
 def _sweep(capture, *args):
@@ -75,23 +41,6 @@ def _sweep(capture, *args):
     return rc, out, err
 
 
-def _db(prefix) -> dict[int, dict]:
-    """{trial number: state, value, params, start, end}, read with sqlite3 (not Optuna)."""
-    con = sqlite3.connect(os.path.join(prefix, "study.db"))
-    out = {}
-    rows = "SELECT trial_id, number, state, datetime_start, datetime_complete FROM trials"
-    for tid, number, state, start, end in con.execute(rows):
-        values = [v for (v,) in con.execute(f"SELECT value FROM trial_values WHERE trial_id={tid}")]
-        params = dict(con.execute(f"SELECT param_name, param_value FROM trial_params "
-                                  f"WHERE trial_id={tid}"))  # fmt: skip
-        attrs = dict(con.execute(f"SELECT key, value_json FROM trial_user_attributes "
-                                 f"WHERE trial_id={tid}"))  # fmt: skip
-        out[number] = {"state": state, "values": values, "params": params, "start": start,
-                       "end": end, "attrs": attrs}  # fmt: skip
-    con.close()
-    return out
-
-
 def _csv(prefix) -> list[dict]:
     with open(os.path.join(prefix, "sweep.csv"), newline="") as f:
         return list(csv.DictReader(f))
@@ -99,36 +48,31 @@ def _csv(prefix) -> list[dict]:
 
 @pytest.fixture
 def two_devices(monkeypatch, tmp_path):
-    """The trials' processes on 2 fake CPU devices (conftest's CHILD_DEVICES; the test process
-    has more)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags.append("--xla_force_host_platform_device_count=2")
-    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
+    """The trials' processes on 2 fake CPU devices."""
+    monkeypatch.setenv("XLA_FLAGS", two_device_flags(os.environ.get("XLA_FLAGS", "")))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
 def test_a_two_worker_study(tmp_path, capfd, two_devices):
     import json
 
-    corpus = tmp_path / "corpus.jsonl"
-    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
-        corpus.write_text("".join(f.readlines()[:60]))
-    config = _config_file(tmp_path, SEARCH) + ":smoke"
+    corpus = sample_corpus(tmp_path)
+    config = sweep_config(tmp_path, SEARCH) + ":smoke"
     prefix = str(tmp_path / "sweep")
     args = ["--config", config, "--workdir", prefix, "--workers", "2"]
     args += [f"--config.data.corpus={corpus}", *(f"--config.{o}" for o in COMMON)]
 
     rc, out, err = _sweep(capfd, *args)
     assert rc == 0, out[-4000:] + err[-3000:]
-    db = _db(prefix)
+    db = read_trials(prefix)
     assert sorted(db) == [0, 1] and {t["state"] for t in db.values()} == {"COMPLETE"}
     a, b = db[0], db[1]
     assert a["params"] != b["params"]  # two points of the space
     assert a["start"] < b["end"] and b["start"] < a["end"]  # run side by side
     assert {t["attrs"]["worker"] for t in db.values()}.__len__() == 2  # by the two workers
     for number, t in db.items():  # the objective is the run's own held-out value
-        workdir = json.loads(t["attrs"]["workdir"])
-        assert workdir == os.path.join(prefix, json.loads(t["attrs"]["name"]))
+        workdir = t["attrs"]["workdir"]
+        assert workdir == os.path.join(prefix, t["attrs"]["name"])
         metrics = json.load(open(os.path.join(workdir, "metrics.json")))
         assert metrics["complete"] and metrics["eval_step"] == 2
         assert t["values"] == [pytest.approx(metrics["eval"]["recall@20"], rel=1e-9)]
@@ -167,7 +111,7 @@ def test_a_two_worker_study(tmp_path, capfd, two_devices):
     # the same command again: nothing is repeated
     rc, out, err = _sweep(capfd, *args)
     assert rc == 0, err
-    assert "[trial" not in out and sorted(_db(prefix)) == [0, 1]
+    assert "[trial" not in out and sorted(read_trials(prefix)) == [0, 1]
     assert "every trial of the study is finished" in out and " prepare " not in out
 
     os.remove(os.path.join(prefix, "sweep.csv"))  # --table rebuilds it from the study alone
@@ -177,7 +121,7 @@ def test_a_two_worker_study(tmp_path, capfd, two_devices):
 
 
 def test_dry_run_prints_the_prepare_and_the_trials(tmp_path, capsys):
-    config = _config_file(tmp_path, GRID, task=REALM)
+    config = sweep_config(tmp_path, GRID, task=REALM)
     prefix = str(tmp_path / "sweep")
     rc, out, _ = _sweep(capsys, "--config", config, "--workdir", prefix, "--dry_run")
     assert rc == 0
@@ -191,7 +135,7 @@ def test_dry_run_prints_the_prepare_and_the_trials(tmp_path, capsys):
         assert line.endswith(f"--config.data.data_dir={prefix}/data")
     assert not os.path.exists(prefix)
 
-    search = _config_file(tmp_path, SEARCH, "search.py")  # ICT: `train`
+    search = sweep_config(tmp_path, SEARCH, name="search.py")  # ICT: `train`
     rc, out, _ = _sweep(capsys, "--config", search, "--workdir", prefix, "--dry_run",
                         "--workers", "2")  # fmt: skip
     assert rc == 0 and out.count("# worker ") == 2

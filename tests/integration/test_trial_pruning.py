@@ -26,21 +26,13 @@ from realm_jax.ict import commands as ict_commands
 from realm_jax.sweep import trial as trial_link
 from realm_jax.train.metrics import read_scalars
 from tests.conftest import REPO
+from tests.support.realm_fixtures import tiny_networks
+from tests.support.sweeps import sample_corpus
 
 # ICT on the sample's first 80 passages (a quarter of their doc ids held out): a 1-layer
 # 32-wide BERT, 6 steps, a held-out evaluation every 2 (steps 0, 2, 4, 6) of recall@k on 32
 # sentences, no BM25 baseline.
-ICT = [
-    f"model.{part}.{k}={v}"
-    for part in ("embedder", "reader")
-    for k, v in (
-        ("hidden_size", 32),
-        ("num_layers", 1),
-        ("num_heads", 2),
-        ("intermediate_size", 64),
-        ("max_position_embeddings", 64),
-    )
-] + [
+ICT = tiny_networks("embedder", "reader", max_positions=64) + [
     "model.proj_dropout=0.0",
     "data.block_len=64",
     "data.query_len=32",
@@ -70,11 +62,9 @@ def _config(corpus, ddir, *extra):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("ict")
-    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
-        (root / "corpus.jsonl").write_text("".join(f.readlines()[:80]))
-    ddir = str(root / "prepared")
-    prepare.prepare(_config(root / "corpus.jsonl", ddir), ddir)
-    return root / "corpus.jsonl", ddir
+    corpus, ddir = sample_corpus(root, 80), str(root / "prepared")
+    prepare.prepare(_config(corpus, ddir), ddir)
+    return corpus, ddir
 
 
 def _study(db, name: str, others: float) -> int:

@@ -28,19 +28,27 @@ CONFIG_OVERRIDES = [
     "train.warmup_steps=0",
     "train.steps=10",
 ]
+
+
+def tiny_networks(*nets: str, max_positions: int = 128) -> list[str]:
+    """A 1 x 32 BERT (2 heads, 64 wide in between) for each of `nets` ("embedder", "reader"):
+    the config overrides."""
+    return [
+        f"model.{net}.{key}={value}"
+        for net in nets
+        for key, value in (
+            ("hidden_size", 32),
+            ("num_layers", 1),
+            ("num_heads", 2),
+            ("intermediate_size", 64),
+            ("max_position_embeddings", max_positions),
+        )
+    ]
+
+
 # One 1 x 32 BERT for the embedders and the reader, positions up to 128: the end-to-end tests
 # model (tests/test_trainer.py, tests/test_qa_finetune.py).
-TINY_NETWORKS = [
-    f"model.{net}.{key}={value}"
-    for key, value in (
-        ("hidden_size", 32),
-        ("num_layers", 1),
-        ("num_heads", 2),
-        ("intermediate_size", 64),
-        ("max_position_embeddings", 128),
-    )
-    for net in ("embedder", "reader")
-]
+TINY_NETWORKS = tiny_networks("embedder", "reader")
 NUM_BLOCKS = 61  # not a multiple of 8: exercises index padding
 
 

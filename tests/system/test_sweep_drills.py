@@ -17,30 +17,14 @@ import time
 import pytest
 
 from tests.conftest import REPO
+from tests.support import sweeps
 from tests.support.realm_fixtures import TINY_NETWORKS
+from tests.support.sweeps import ICT, REALM, read_trials
 
 pytestmark = pytest.mark.system
 
-ICT = os.path.join(REPO, "configs", "ict.py")
-REALM = os.path.join(REPO, "configs", "realm.py")
-ICT_COMMON = [
-    f"model.embedder.{key}={value}"
-    for key, value in (
-        ("hidden_size", 32),
-        ("num_layers", 1),
-        ("num_heads", 2),
-        ("intermediate_size", 64),
-        ("max_position_embeddings", 128),
-    )
-] + [
-    "data.block_len=64",
-    "data.query_len=32",
-    "data.eval_split_key=doc_id",
-    "data.eval_fraction=0.25",
-    "train.batch_size=8",
-    "train.log_every=5",
-    "train.stop_check_every=1",
-]
+# Tiny ICT runs on 60 passages of the sample, stop requests checked every step
+ICT_RUNS = sweeps.ICT_COMMON + ["train.log_every=5", "train.stop_check_every=1"]
 REALM_COMMON = TINY_NETWORKS + [
     "data.block_len=64",
     "data.query_len=32",
@@ -54,31 +38,6 @@ REALM_COMMON = TINY_NETWORKS + [
     "train.eval_batch_size=8",
     "refresh.mode=inprocess",
 ]
-WRAPPER = """
-import importlib.util
-from realm_jax.sweep import space
-
-_spec = importlib.util.spec_from_file_location("config_for_sweep_drill", {path!r})
-_task = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_task)
-
-
-def get_config(arg=None):
-    return _task.get_config(arg)
-
-
-def sweep():
-    return {body}
-"""
-
-
-def _corpus(tmp_path) -> str:
-    corpus = tmp_path / "corpus.jsonl"
-    with open(os.path.join(REPO, "data", "sample", "corpus.jsonl")) as f:
-        corpus.write_text("".join(f.readlines()[:60]))
-    return str(corpus)
-
-
 STARTED = []  # the sweeps a test started: stopped at its end if still running
 
 
@@ -94,16 +53,14 @@ def _stop_leftovers():
 
 def _start(tmp_path, task, body, overrides, *flags, prefix=None):
     """`realm-jax sweep` as its own process (its output in tmp_path/sweep-N.out)."""
-    config = tmp_path / "sweep_config.py"
-    config.write_text(WRAPPER.format(path=task, body=body))
+    config = sweeps.sweep_config(tmp_path, body, task=task)
     prefix = prefix or str(tmp_path / "sweep")
     n = len(list(tmp_path.glob("sweep-*.out")))
     out = open(tmp_path / f"sweep-{n}.out", "w")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags_, "--xla_force_host_platform_device_count=2"])
+    env["XLA_FLAGS"] = sweeps.two_device_flags(env.get("XLA_FLAGS", ""))
     cmd = [sys.executable, "-m", "realm_jax", "sweep", "--config", f"{config}:smoke"]
-    cmd += ["--workdir", prefix, f"--config.data.corpus={_corpus(tmp_path)}", *flags]
+    cmd += ["--workdir", prefix, f"--config.data.corpus={sweeps.sample_corpus(tmp_path)}", *flags]
     cmd += [f"--config.{o}" for o in overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     proc.out_path, proc.prefix = out.name, prefix
@@ -113,30 +70,6 @@ def _start(tmp_path, task, body, overrides, *flags, prefix=None):
 
 def _output(proc) -> str:
     return open(proc.out_path).read()
-
-
-def _trials(prefix) -> dict[int, dict]:
-    """{number: state, value, params, user attrs, system attrs, intermediate values} (sqlite3)."""
-    path = os.path.join(prefix, "study.db")
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)  # never makes the file
-    out = {}
-    for tid, number, state in con.execute("SELECT trial_id, number, state FROM trials"):
-        q = lambda sql, tid=tid: list(con.execute(f"{sql} WHERE trial_id={tid}"))  # noqa: E731
-        out[number] = {
-            "state": state,
-            "values": [v for (v,) in q("SELECT value FROM trial_values")],
-            "params": dict(q("SELECT param_name, param_value FROM trial_params")),
-            "attrs": {
-                k: json.loads(v) for k, v in q("SELECT key, value_json FROM trial_user_attributes")
-            },  # fmt: skip
-            "system": {
-                k: json.loads(v)
-                for k, v in q("SELECT key, value_json FROM trial_system_attributes")
-            },  # fmt: skip
-            "steps": sorted(s for (s,) in q("SELECT step FROM trial_intermediate_values")),
-        }
-    con.close()
-    return out
 
 
 def _wait(what, predicate, timeout=300.0, proc=None):
@@ -162,7 +95,7 @@ def _log(workdir) -> str:
 def _training_past(prefix, step):
     """(number, trial) of a running trial whose log shows a step past `step`, else None."""
     try:
-        trials = _trials(prefix)
+        trials = read_trials(prefix)
     except sqlite3.OperationalError:  # not there yet, or its tables being made
         return None
     for number, t in trials.items():
@@ -184,7 +117,7 @@ def test_a_worker_killed_mid_trial(tmp_path):
     checkpoints, the trial goes FAIL after the grace period (heartbeats) and runs once more in
     its own folder from its checkpoint; the other trials are untouched, the study completes."""
     body = "[{'train.seed': 0}, {'train.seed': 1}, {'train.seed': 2}]"
-    over = [*ICT_COMMON, "train.steps=120", "train.checkpoint_every=10", "train.eval_every=60"]
+    over = [*ICT_RUNS, "train.steps=120", "train.checkpoint_every=10", "train.eval_every=60"]
     proc = _start(tmp_path, ICT, body, over, "--workers", "2", "--heartbeat_s", "1",
                   "--grace_s", "6")  # fmt: skip
     number, victim = _wait("a trial training past step 20",
@@ -195,7 +128,7 @@ def test_a_worker_killed_mid_trial(tmp_path):
     out = _output(proc)
     assert f"sweep: trial {number} failed: no heartbeat for" in out
     assert "was killed (signal 9)" in out
-    trials = _trials(proc.prefix)
+    trials = read_trials(proc.prefix)
     retry = [n for n, t in trials.items() if t["system"].get("failed_trial") == number]
     assert len(retry) == 1, trials
     (retry,) = retry
@@ -226,12 +159,12 @@ def test_a_locked_sqlite_study(tmp_path):
     exclusive lock for 8 s: heartbeats, reports and tells wait or retry; the study completes with
     every evaluation of both trials in it."""
     body = "[{'train.seed': 0}, {'train.seed': 1}]"
-    over = [*ICT_COMMON, "train.steps=60", "train.checkpoint_every=20", "train.eval_every=10"]
+    over = [*ICT_RUNS, "train.steps=60", "train.checkpoint_every=20", "train.eval_every=10"]
     proc = _start(tmp_path, ICT, body, over, "--workers", "2", "--heartbeat_s", "1")
     _wait("both trials training",
           lambda: _training_past(proc.prefix, 5) and sum(
               "step 5/" in _log(t["attrs"].get("workdir", "/nonexistent"))
-              for t in _trials(proc.prefix).values()) == 2, proc=proc)  # fmt: skip
+              for t in read_trials(proc.prefix).values()) == 2, proc=proc)  # fmt: skip
     con = sqlite3.connect(os.path.join(proc.prefix, "study.db"), timeout=60, isolation_level=None)
     con.execute("BEGIN EXCLUSIVE")
     time.sleep(8)
@@ -239,7 +172,7 @@ def test_a_locked_sqlite_study(tmp_path):
     con.close()
     assert proc.wait(timeout=600) == 0, _output(proc)[-5000:]
     assert "database is locked" in _output(proc)  # a trainer's report met the lock, retried
-    trials = _trials(proc.prefix)
+    trials = read_trials(proc.prefix)
     assert sorted(t["state"] for t in trials.values()) == ["COMPLETE", "COMPLETE"]
     for t in trials.values():
         assert t["steps"] == [0, 10, 20, 30, 40, 50, 60]  # no evaluation lost
@@ -249,14 +182,14 @@ def test_a_locked_sqlite_study(tmp_path):
 
 def test_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path):
     body = "[{'train.seed': 0}]"
-    over = [*ICT_COMMON, "train.steps=120", "train.checkpoint_every=10", "train.eval_every=60"]
+    over = [*ICT_RUNS, "train.steps=120", "train.checkpoint_every=10", "train.eval_every=60"]
     proc = _start(tmp_path, ICT, body, over)
     number, t = _wait("the trial training past step 20",
                       lambda: _training_past(proc.prefix, 20), proc=proc)  # fmt: skip
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=300) == 130, _output(proc)[-4000:]
     assert "re-run the same command to go on" in _output(proc)
-    trials = _trials(proc.prefix)
+    trials = read_trials(proc.prefix)
     assert [trials[n]["state"] for n in sorted(trials)] == ["FAIL", "WAITING"]
     assert "interrupted" in trials[0]["attrs"]["fail_reason"]
     workdir = t["attrs"]["workdir"]
@@ -267,7 +200,7 @@ def test_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path):
 
     again = _start(tmp_path, ICT, body, over, prefix=proc.prefix)
     assert again.wait(timeout=600) == 0, _output(again)[-4000:]
-    trials = _trials(proc.prefix)
+    trials = read_trials(proc.prefix)
     assert [trials[n]["state"] for n in sorted(trials)] == ["FAIL", "COMPLETE"]
     assert trials[1]["attrs"]["workdir"] == workdir and trials[1]["attrs"]["rerun_of"] == 0
     assert f"resumed from checkpoint {stopped}" in _log(workdir)
@@ -286,7 +219,7 @@ def test_a_bad_trial_is_pruned_at_its_first_evaluation(tmp_path):
             "train.eval_every=2", "refresh.every=2"]  # fmt: skip
     proc = _start(tmp_path, REALM, body, over)
     assert proc.wait(timeout=900) == 0, _output(proc)[-5000:]
-    trials = _trials(proc.prefix)
+    trials = read_trials(proc.prefix)
     assert [trials[n]["state"] for n in (0, 1)] == ["COMPLETE", "PRUNED"]
     good, bad = trials[0], trials[1]
     assert good["steps"] == [0, 2, 4] and bad["steps"] == [0, 2]

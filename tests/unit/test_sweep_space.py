@@ -12,31 +12,12 @@ import pytest
 from realm_jax import cli
 from realm_jax.config import ConfigError, load_config
 from realm_jax.sweep import devices, space, storage, table
-from tests.conftest import REPO
-
-REALM = os.path.join(REPO, "configs", "realm.py")
-WRAPPER = f"""
-import importlib.util
-from realm_jax.sweep import space
-
-_spec = importlib.util.spec_from_file_location("realm_for_space_test", {REALM!r})
-_realm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_realm)
-
-
-def get_config(arg=None):
-    return _realm.get_config(arg)
-
-
-def sweep():
-    return {{body}}
-"""
+from tests.support.sweeps import REALM, sweep_config
 
 
 def _config(tmp_path, body: str) -> str:
-    path = tmp_path / "sweep_config.py"
-    path.write_text(WRAPPER.format(body=body))
-    return str(path)
+    """A config file with REALM's variants and this sweep()."""
+    return sweep_config(tmp_path, body, task=REALM)
 
 
 def test_a_search_is_read_with_its_controls(tmp_path):
