@@ -178,7 +178,7 @@ class Model:
         self.config, self.workdir, self._which = config, workdir, which
         self.is_qa = config.task == "qa"
         self.data_dir = paths.data_dir(config, workdir)
-        datasets.load_summary(self.data_dir)  # a clear error when the data is not prepared
+        datasets.check_vocab(config, self.data_dir)  # prepared, and the ids fit the model
         if isinstance(which, int):  # a step the workdir does not hold: an error now
             self._manager()
         # one device of this host, whatever mesh the workdir was trained on

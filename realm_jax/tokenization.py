@@ -39,6 +39,13 @@ def load_tokenizer(vocab_path: str = VOCAB_PATH) -> Tokenizer:
     return tok._tokenizer  # the plain Tokenizer: picklable, fast batch encode
 
 
+@functools.lru_cache(maxsize=4)
+def vocab_size(vocab_path: str = VOCAB_PATH) -> int:
+    """How many wordpieces the vocabulary holds (its lines): every token id it gives is below."""
+    with open(vocab_path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
 def wordpieces(texts: list[str], tok: Tokenizer | None = None):
     """Encode texts without special tokens; returns tokenizers Encodings (ids + char offsets)."""
     tok = tok or load_tokenizer()

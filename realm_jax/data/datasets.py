@@ -640,8 +640,33 @@ def block_text(data_dir: str, block_id: int) -> tuple[str, str]:
     return rec["title"].decode(), rec["text"].decode()
 
 
+def vocab_size(s: dict) -> int:
+    """The size of the vocabulary a prepare's token ids come from: its summary's (prepares
+    before it was recorded: the bundled tokenizer's, the only one they could use)."""
+    from realm_jax import tokenization as tk
+
+    return int(s.get("vocab_size") or tk.vocab_size())
+
+
+def check_vocab(config, ddir: str) -> None:
+    """model.vocab_size must cover the prepared token ids: a smaller embedding table would be
+    indexed out of range, which embeds NaNs silently (every loss NaN). Called by every command
+    that embeds the prepared data or a tokenized question, before anything is built."""
+    from realm_jax.config import ConfigError
+
+    have, need = int(config.model.vocab_size), vocab_size(load_summary(ddir))
+    if have < need:
+        raise ConfigError(
+            f"model.vocab_size={have} is smaller than the vocabulary of the token ids prepared in "
+            f"{ddir} ({need} wordpieces): ids from {have} up would index past the embedding "
+            f"table (NaN losses); set --config.model.vocab_size={need} (or more)"
+        )
+
+
 def check_prepared(config, ddir: str) -> None:
-    """The prepared data must have the lengths the config trains with."""
+    """The prepared data must have the lengths the config trains with, and its token ids fit
+    the model's vocabulary (check_vocab)."""
+    check_vocab(config, ddir)
     built = load_summary(ddir)["config"]
     bad = [
         f"data.{k} is {config.data[k]} but {ddir} was prepared with {built[k]}"

@@ -16,7 +16,8 @@ Layout of a prepared data_dir:
                                              chosen by a hash, so no sentence of a held-out
                                              article is trained on; their blocks stay in the
                                              corpus (retrieval may find them)
-  <data_dir>/summary.json                    counts, fingerprint, config; written LAST: a folder
+  <data_dir>/summary.json                    counts, fingerprint, config, the vocabulary's
+                                             size (vocab_size); written LAST: a folder
                                              without it is incomplete and loaders refuse it.
 Datasets are built in <data_dir>/.prepare-tmp-<pid>/ and renamed into place at the end. For a
 gs:// data_dir the in-process path builds them in a local temp folder and uploads them, the
@@ -339,6 +340,7 @@ def prepare(
         "engine": engine,
         "block_len": data.block_len,
         "query_len": data.query_len,
+        "vocab_size": tk.vocab_size(),  # every token id is below it (datasets.check_vocab)
         "config": {k: data[k] for k in records.FP_FIELDS},
         "counts": dict(stats),
         "elapsed_s": round(time.time() - start, 2),

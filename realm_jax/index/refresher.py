@@ -323,7 +323,9 @@ def command(config, args) -> int:
             )  # fmt: skip
         # each host reads only the block rows of its own devices
         mesh = sharding.make_mesh(_all_devices_mesh(config))
-        tokens = datasets.sharded_block_tokens(paths.data_dir(config, args.workdir), mesh)
+        ddir = paths.data_dir(config, args.workdir)
+        datasets.check_vocab(config, ddir)
+        tokens = datasets.sharded_block_tokens(ddir, mesh)
         from realm_jax import watchdog
 
         # a job stuck while its JAX client keeps beating exits (75) for its supervisor to

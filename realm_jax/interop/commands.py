@@ -448,7 +448,7 @@ def export_command(config, args) -> int:
     folders, notes = hf_export.export_folders(params, ecfg, rcfg, block_emb, run_fields(config))
     from realm_jax import tokenization
 
-    vocab = tokenization.VOCAB_PATH if ecfg.vocab_size == _vocab_lines() else ""
+    vocab = tokenization.VOCAB_PATH if ecfg.vocab_size == tokenization.vocab_size() else ""
     if jax.process_index() != 0:
         return 0
     parent = os.path.dirname(os.path.abspath(out))
@@ -537,10 +537,3 @@ def _open_permissions(root: str) -> None:
             os.chmod(os.path.join(folder, d), 0o777 & ~umask)
         for f in files:
             os.chmod(os.path.join(folder, f), 0o666 & ~umask)
-
-
-def _vocab_lines() -> int:
-    from realm_jax import tokenization
-
-    with open(tokenization.VOCAB_PATH, encoding="utf-8") as f:
-        return sum(1 for _ in f)

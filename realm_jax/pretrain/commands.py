@@ -330,6 +330,8 @@ class _Supervised:
 
 
 def _local(config, args) -> int:
+    # the prepared data against the config before the refresh child starts (one error line)
+    datasets.check_prepared(config, paths.data_dir(config, args.workdir))
     supervised = None
     if config.refresh.mode == "external":
         cmd = [sys.executable, "-m", "realm_jax", "refresh", *_passthrough_args(args)]

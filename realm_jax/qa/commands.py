@@ -229,6 +229,8 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
     validation.retriever(retriever, RETRIEVERS)
     mesh = sharding.inference_mesh(config.mesh, batch_size=int(config.train.eval_batch_size))
     ddir = paths.data_dir(config, workdir)
+    if model:  # the blocks and questions are embedded: their ids must fit the vocabulary
+        datasets.check_vocab(config, ddir)
     tokens, doc_ids, _ = datasets.load_blocks(ddir)
     found = store.latest_valid(
         paths.index_dir(workdir),
