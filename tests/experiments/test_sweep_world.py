@@ -1,0 +1,228 @@
+"""experiments/sweep_world/study.py on a fake finished study (an Optuna SQLite file made here,
+no training): its stage planning, the pruning's savings and regret against hand counts, the
+paired differences, and the README it writes."""
+
+import datetime
+import json
+import os
+import re
+
+import pytest
+
+from experiments.sweep_world import study as S
+from tests.conftest import REPO
+
+T0 = datetime.datetime(2026, 11, 29, 12, 0, 0)
+ATTRS = {"spec": S.REALM, "extra": [], "task": "realm", "kind": "search"}
+ATTRS["objective"] = "eval/title_recall@5"
+# trial: state, params (lr, embedder_lr_scale, num_candidates), its held-out curve, its wall (s)
+TRIALS = [
+    ("COMPLETE", (5e-4, 0.1, 8), {0: 0.30, 250: 0.45, 300: 0.50, 350: 0.55, 400: 0.60}, 100),
+    ("COMPLETE", (1e-4, 0.05, 8), {0: 0.30, 250: 0.40, 300: 0.45, 350: 0.48, 400: 0.50}, 120),
+    ("PRUNED", (1e-3, 0.2, 16), {0: 0.30, 250: 0.30}, 60),
+    ("PRUNED", (2e-4, 0.4, 16), {0: 0.30, 250: 0.40, 300: 0.42}, 80),
+    ("FAIL", (1.5e-3, 0.03, 8), {}, 10),
+]
+KEYS = ("train.lr", "train.embedder_lr_scale", "train.num_candidates")
+
+
+def fake_study(root) -> None:
+    """ROOT/study/study.db as `sweep` leaves it after TRIALS (names n0..n4)."""
+    import optuna
+
+    from realm_jax.sweep import space
+
+    os.makedirs(os.path.join(root, "study"))
+    storage = f"sqlite:///{os.path.join(root, 'study', 'study.db')}"
+    study = optuna.create_study(storage=storage, study_name="sweep", direction="maximize")
+    study.set_user_attr("realm_jax", ATTRS)
+    dists = space.load(os.path.join(REPO, S.REALM)).distributions()
+    for i, (state, values, curve, wall) in enumerate(TRIALS):
+        name = f"n{i}"
+        state = optuna.trial.TrialState[state]
+        trial = optuna.trial.FrozenTrial(
+            number=i,
+            state=state,
+            value=curve[400] if state.name == "COMPLETE" else None,
+            datetime_start=T0,
+            datetime_complete=T0 + datetime.timedelta(seconds=wall),
+            params=dict(zip(KEYS, values, strict=True)),
+            distributions=dists,
+            user_attrs={"name": name, "workdir": os.path.join(root, "study", name)},
+            system_attrs={},
+            intermediate_values=curve,
+            trial_id=i,
+        )
+        study.add_trial(trial)
+
+
+def finished_run(workdir, step=400, wall=None, **recall) -> None:
+    """A finished `local` run: metrics.json (complete) and the study's <workdir>.run.json."""
+    os.makedirs(workdir, exist_ok=True)
+    evals = {f"title_recall@{k[1:]}": v for k, v in recall.items()} | {"examples": 256}
+    metrics = {"complete": True, "step": step, "steps": 400, "eval": evals}
+    with open(os.path.join(workdir, "metrics.json"), "w") as f:
+        json.dump(metrics, f)
+    if wall is not None:
+        with open(workdir + ".run.json", "w") as f:
+            json.dump({"wall_s": wall}, f)
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = str(tmp_path / "sweep-world")
+    fake_study(r)
+    return r
+
+
+def test_stages_plan_the_pruned_trials_runs_to_the_end_and_the_seeds(root, capsys):
+    setup = S.Setup(root)
+    study = S.open_study(setup)
+    assert S.study_finished(study, 4) and not S.study_finished(study, 5)  # the FAIL not counted
+    # the pruned trials, each to the end with the overrides it trained with, nothing else
+    jobs = S.unpruned_jobs(setup, study)
+    assert [j.name for j in jobs] == ["n2", "n3"]
+    assert jobs[0].args == [
+        "local",
+        "--config",
+        "configs/realm.py:world",
+        "--workdir",
+        os.path.join(root, "unpruned", "n2"),
+        "--config.train.lr=0.001",
+        "--config.train.embedder_lr_scale=0.2",
+        "--config.train.num_candidates=16",
+    ]
+    # a finished one is skipped on a re-run, the other would run
+    finished_run(os.path.join(root, "unpruned", "n2"), r5=0.65)
+    assert S.main(["--root", root, "--trials", "4", "--stages", "study,unpruned", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "study: 4 trials finished already" in out
+    assert "n2: finished already" in out and "n3: finished already" not in out
+    assert "would run: python -m realm_jax local" in out and "/unpruned/n3 " in out
+    assert "/unpruned/n2 " not in out
+    # best against recipe: the best complete trial (n0); seed 0 is the recipe as it is (no
+    # overrides at all), seed 1 its own world, held-out people, ICT start and initialisation
+    best = S.best_params(study)
+    assert best == ("n0", dict(zip(KEYS, TRIALS[0][1], strict=True)))
+    jobs = {j.key: j for j in S.compare_jobs(setup, best, [0, 1])}
+    assert sorted(jobs) == [("n0", 0), ("n0", 1), ("recipe", 0), ("recipe", 1)]
+    assert not [a for a in jobs["recipe", 0].args if a.startswith("--config.")]
+    assert [a for a in jobs["n0", 0].args if a.startswith("--config.")] == [
+        "--config.train.lr=0.0005",
+        "--config.train.embedder_lr_scale=0.1",
+        "--config.train.num_candidates=8",
+    ]
+    seed1 = jobs["recipe", 1].args
+    assert "--config.data.seed=1" in seed1 and "--config.train.seed=1" in seed1
+    ict = os.path.join(root, "seed1", "ict")
+    assert f"--config.model.init_embedders_from_ict={ict}" in seed1
+    assert jobs["recipe", 1].workdir == os.path.join(root, "compare", "recipe-s1")
+    # the world of seed 1 is made in ROOT/seed1 (world.seed=1), then prepared, then ICT
+    made = S.world_jobs(setup, 1)
+    assert [j.name for j in made] == ["world-s1", "prepare-s1", "ict-s1"]
+    assert "--config.world.seed=1" in made[0].args
+
+
+def test_savings_and_regret_against_hand_counts(root):
+    trials = S.study_trials(S.open_study(S.Setup(root)))
+    assert [(t.state, t.step, t.wall_s) for t in trials[:4]] == [
+        ("COMPLETE", 400, 100),
+        ("COMPLETE", 400, 120),
+        ("PRUNED", 250, 60),
+        ("PRUNED", 300, 80),
+    ]
+    assert trials[2].value == 0.30 and trials[3].value == 0.42  # where they were pruned
+    obj = "eval/title_recall@5"
+    to_end = {
+        "n2": S.Run({"title_recall@5": 0.65}, 400, 110.0, {}),
+        "n3": S.Run({"title_recall@5": 0.55}, 400, 100.0, {}),
+    }
+    s = S.savings(trials, to_end, obj, maximize=True)
+    # steps: 400 + 400 + 250 + 300 = 1350 as run, 4 x 400 = 1600 to the end: 250 saved
+    assert s["steps"] == {"as_run": 1350, "to_end": 1600, "saved": 250, "share": 250 / 1600}
+    # wall: 100 + 120 + 60 + 80 = 360 as run, 100 + 120 + 110 + 100 = 430 to the end
+    assert s["wall_s"]["as_run"] == 360 and s["wall_s"]["to_end"] == 430
+    assert s["wall_s"]["share"] == pytest.approx(70 / 430)
+    # n2 ends at 0.65, above the study's best (n0, 0.60): regret 0.05
+    assert s["best"] == (0, "n0", 0.60) and s["beaten"] == ["n2"]
+    assert s["regret"] == pytest.approx(0.05)
+    # minimised, the best is n1 (0.50) and neither end is below it
+    s = S.savings(trials, to_end, obj, maximize=False)
+    assert s["best"][0] == 1 and s["beaten"] == [] and s["regret"] == 0.0
+    with pytest.raises(KeyError, match="n3"):
+        S.savings(trials, {"n2": to_end["n2"]}, obj, maximize=True)
+
+
+def test_paired_differences_by_hand():
+    r = {
+        ("recipe", 0): {"recall@1": 0.30, "recall@5": 0.50},
+        ("best", 0): {"recall@1": 0.40, "recall@5": 0.70},
+        ("recipe", 1): {"recall@1": 0.20, "recall@5": 0.60},
+        ("best", 1): {"recall@1": 0.20, "recall@5": 0.55},
+    }
+    p = S.paired(r, ("recipe", "best"), [0, 1])
+    assert p["recall@5"]["diff"] == {0: pytest.approx(0.20), 1: pytest.approx(-0.05)}
+    assert p["recall@5"]["mean_diff"] == pytest.approx(0.075)
+    assert p["recall@5"]["unseen_mean_diff"] == pytest.approx(-0.05)  # seed 1 alone
+    assert p["recall@5"]["mean"] == {"recipe": pytest.approx(0.55), "best": pytest.approx(0.625)}
+    assert p["recall@1"]["range"] == (pytest.approx(0.0), pytest.approx(0.10))
+
+
+def test_report_writes_the_sections_the_plots_and_the_summary(root, tmp_path):
+    doc = tmp_path / "README.md"
+    head = open(S.RESULTS).read().split("\n")[:7]  # the study's own five-line summary
+    doc.write_text("\n".join(head) + "\n")
+    setup = S.Setup(root, doc=str(doc), plots_to=str(tmp_path))
+    plots = os.path.join(root, "study", "plots")
+    os.makedirs(plots)
+    with open(os.path.join(plots, "optimization_history.png"), "wb") as f:
+        f.write(b"\x89PNG small")
+    with open(os.path.join(plots, "param_importances.png"), "wb") as f:
+        f.write(b"\0" * S.MAX_PLOT_BYTES)  # too big: named, not copied
+    finished_run(os.path.join(root, "unpruned", "n2"), wall=110, r5=0.65)
+    S.report(setup, [0, 1])  # the runs to the end half done: no pruning section yet
+    assert "## Pruning" not in doc.read_text()
+    finished_run(os.path.join(root, "unpruned", "n3"), wall=100, r5=0.55)
+    for arm, seed, r1, r5 in (
+        ("recipe", 0, 0.30, 0.50),
+        ("n0", 0, 0.40, 0.70),
+        ("recipe", 1, 0.20, 0.60),
+        ("n0", 1, 0.20, 0.55),
+    ):
+        finished_run(os.path.join(root, "compare", f"{arm}-s{seed}"), r1=r1, r5=r5)
+    S.report(setup, [0, 1])
+    text = doc.read_text()
+    assert [s for s in S.SECTIONS if f"## {s}\n" in text] == list(S.SECTIONS)
+    assert "| 2 | PRUNED at step 250 | 0.001 | 0.2 | 16 | 30.0 | 250 | 1m00s |" in text
+    assert "| 0 | COMPLETE | 0.0005 | 0.1 | 8 | 60.0 | 400 | 1m40s |" in text
+    assert "5 trials: 2 complete, 2 pruned, 1 failed" in text
+    assert "pruning saved 250 steps, 16%" in text
+    assert "| 2 | 250 | 30.0 |  | 65.0 | 400 | 1m50s | yes |" in text
+    assert "the study's best with them: +5.0 points" in text
+    assert "| 0 (the search's world) | 30.0 | 50.0 | 40.0 | 70.0 | +10.0 | +20.0 |" in text
+    assert (
+        "- best - recipe, recall@5: +7.5 points [-5.0, +20.0]; over the seeds the search " in text
+    )
+    assert os.path.exists(tmp_path / "optimization_history.png")
+    assert not os.path.exists(tmp_path / "param_importances.png")
+    assert "![optimization_history.png](optimization_history.png)" in text
+    # the summary's Found and When now hold the figures, still the five lines test_docs reads
+    lines = text.split("\n")
+    assert [re.match(r"- \*\*(\w+):\*\* \S", x).group(1) for x in lines[2:7]] == [
+        "Asked",
+        "Ran",
+        "Found",
+        "Command",
+        "When",
+    ]
+    assert "4 trials (2 complete, 2 pruned), 2 workers" in lines[3]
+    assert "(lr=0.0005, embedder_lr_scale=0.1, num_candidates=8)" in lines[4]
+    assert "62.5% against 55.0%, +7.5 points [-5.0, +20.0]" in lines[4]
+    assert "pruning saved 16% of the steps" in lines[4] and "regret +5.0 points" in lines[4]
+
+
+def test_unknown_stage_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        S.main(["--stages", "study,bogus", "--root", str(tmp_path / "x")])
+    assert "unknown stages ['bogus']" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
