@@ -94,6 +94,22 @@ def shared():
     return shared_path
 
 
+def run_cli(*args: str, timeout: float = 60):
+    """`python -m realm_jax ARGS` as a user runs it (a process of its own, on the CPU, from the
+    repository): its CompletedProcess, stdout and stderr as text."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "realm_jax", *args],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def prepare_sample_head(tmp_path_factory, config_fn, passages: int) -> str:
     """The bundled sample's first `passages` passages prepared into a fresh temp folder with
     the config `config_fn(*overrides)` gives (the small-corpus fixtures of the trainer,

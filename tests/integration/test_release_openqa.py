@@ -28,7 +28,7 @@ from realm_jax import cli
 from realm_jax.interop import tf_checkpoint as tc
 from realm_jax.interop import tfrecord
 from realm_jax.tokenization import encode_query
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 FIX = os.path.join(REPO, "tests", "fixtures", "release")
 SMOKE = os.path.join(REPO, "configs", "orqa.py") + ":smoke"
@@ -506,21 +506,10 @@ def test_block_emb_must_index_the_prepared_blocks(tmp_path, capsys):
 
 def test_one_line_from_the_real_command(tmp_path):
     """As a user sees it (a process of its own, its logging at INFO): one line on stderr."""
-    import subprocess
-    import sys
-
     work = tmp_path / "work"
     argv = ["import", "--config", SMOKE, "--workdir", str(work)]
     argv += ["--source", f"{FIX}/bert", "--block_emb", f"{FIX}/embedder", *_arch(100)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run(
-        [sys.executable, "-m", "realm_jax", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+    r = run_cli(*argv, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         "realm-jax import: error: " + f"{FIX}/bert (RealmKnowledgeAugEncoder): no query embedder "

@@ -7,15 +7,13 @@ summary; an older prepare's folder is checked against the bundled tokenizer's.""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from realm_jax import cli
 from realm_jax.config import ConfigError, load_config
 from realm_jax.data import datasets
-from tests.conftest import REPO, prepare_sample_head
+from tests.conftest import REPO, prepare_sample_head, run_cli
 from tests.support.realm_fixtures import TINY_NETWORKS
 
 CONFIGS = {
@@ -97,14 +95,6 @@ def test_one_line_from_the_refresh_job(ddir, tmp_path):
     argv = ["refresh", "--config", CONFIGS["realm"], "--workdir", work, "--max_versions", "1"]
     argv += [f"--config.{o}" for o in OVERRIDES]
     argv += [f"--config.data.data_dir={ddir}", "--config.model.vocab_size=512"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run(
-        [sys.executable, "-m", "realm_jax", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,  # the old code waited for a checkpoint to embed the blocks with
-    )
+    r = run_cli(*argv, timeout=120)  # the old code waited for a checkpoint to embed with
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.strip().splitlines() == ["realm-jax refresh: error: " + ERROR.format(ddir=ddir)]

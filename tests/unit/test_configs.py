@@ -3,15 +3,13 @@ rejects a misspelt key before JAX starts."""
 
 import os
 import re
-import subprocess
-import sys
 
 import ml_collections
 import pytest
 
 from realm_jax import sweep
 from realm_jax.config import ConfigError, load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 CONFIG = os.path.join(REPO, "configs", "realm.py")
 VARIANTS = ("smoke", "small", "base", "squad", "own")
@@ -26,18 +24,6 @@ def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
         else:
             out.append(prefix + key)
     return out
-
-
-def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", "realm_jax", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -193,14 +179,14 @@ def test_bad_sweeps_fail_before_launch(tmp_path):
 
 
 def test_cli_help_lists_every_command():
-    result = _run_cli("--help")
+    result = run_cli("--help")
     assert result.returncode == 0, result.stderr
     for command in COMMANDS:
         assert re.search(rf"^\s+{command}\s", result.stdout, re.M), (command, result.stdout)
 
 
 def test_cli_rejects_unknown_override_before_work(tmp_path):
-    result = _run_cli("train", "--workdir", str(tmp_path / "run"), "--config.train.lrr=1")
+    result = run_cli("train", "--workdir", str(tmp_path / "run"), "--config.train.lrr=1")
     assert result.returncode != 0
     assert "train.lrr" in result.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
