@@ -220,6 +220,12 @@ CASES = (
         "data.block_len is 64 but",
     ),
     Case(
+        "vocab_below_data",
+        "a model.vocab_size below the prepared data's vocabulary",
+        _with_data("train", "--config.model.vocab_size=512"),
+        "model.vocab_size=512 is smaller than the vocabulary of the token ids prepared in",
+    ),
+    Case(
         "num_candidates_too_many",
         "more candidates than the corpus has blocks",
         _with_data("train", "--cpu_devices", "8", "--config.train.num_candidates=1000"),
