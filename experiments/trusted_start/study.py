@@ -16,6 +16,9 @@ initialisation), run as a user would (`python -m realm_jax ...`), into --root/at
   ict        ICT as continued pre-training on the world's corpus (configs/ict.py:world, the
              embedders from the trusted start, as many steps as REALM trains the embedders),
              then scored as `start` is
+  ict_lr     ICT as `ict`, at the LR REALM trains the embedders with (train.lr x
+             train.embedder_lr_scale of configs/realm.py:world: 5e-5; `ict` runs at ICT's world
+             LR 3e-4, chosen for bert-tiny, where all-MiniLM-L6-v2 collapses): the fair control
   imitation  the BM25-imitation control: ICT's loss on (masked sentence, BM25's top block)
              pairs (`ict --config.ict.positives=bm25`) for as many steps as REALM trains the
              embedders, from the trusted start, then scored as `start` is
@@ -46,7 +49,7 @@ from experiments.tools.cli_runs import chosen_arms, done, run  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 REALM, ICT, ORQA = "configs/realm.py:world", "configs/ict.py:world", "configs/orqa.py:squad"
-ARMS = ("start", "realm", "ict", "imitation")
+ARMS = ("start", "realm", "ict", "ict_lr", "imitation")
 KS = (1, 5)
 
 
@@ -148,7 +151,7 @@ def world(a) -> int:
                 last = max(h["recall@5"])
                 results[seed, arm] = {k: v[last] for k, v in h.items()}
                 results[seed, arm]["step"] = last
-            else:  # ict, imitation: an ICT run from the trusted start, then scored
+            else:  # ict, ict_lr, imitation: an ICT run from the trusted start, then scored
                 ict_wd = os.path.join(root, f"{arm}-ict")
                 if not done(ict_wd):
                     subprocess.run(["rm", "-rf", ict_wd], check=True)
@@ -157,6 +160,9 @@ def world(a) -> int:
                     ]
                     # as many embedder steps as REALM's (ICT's world variant: 400, from bert-tiny)
                     extra.append(f"--config.train.steps={embedder_steps}")
+                    if arm == "ict_lr":  # REALM's embedder LR
+                        lr = float(tc.lr) * float(tc.embedder_lr_scale)
+                        extra.append(f"--config.train.lr={lr}")
                     args = ["ict", "--config", ICT, "--workdir", ict_wd, *paths]
                     run([*args, *start_flags(), *extra], f"{ict_wd}.log")
                 h = history(scored(wd, root, paths, ict_wd))
@@ -175,7 +181,7 @@ def world(a) -> int:
     head = "| retriever | " + " | ".join(f"recall@{k}: mean (seeds {a.seeds})" for k in KS) + " |"
     table = "\n".join([head, "|---|" + "---|" * len(KS), *rows])
     diffs = []
-    for other in ("start", "ict", "imitation"):
+    for other in ("start", "ict", "ict_lr", "imitation"):
         if "realm" in arms and other in arms:
             d = [
                 100 * (results[s, "realm"]["recall@5"] - results[s, other]["recall@5"])
