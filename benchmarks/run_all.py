@@ -30,6 +30,7 @@ LONG = [
     ("mips_vs_scann.py", False),  # a 1M-vector index on device and in ScaNN
     ("prepare_throughput.py", True),  # about 10 minutes (spaCy NER)
     ("refresh_throughput.py", True),  # about 10 minutes (3 refreshes of 19,706 blocks)
+    ("frozen_step.py", False),  # about 4 minutes (the MiniLM setting is most of it)
 ]
 
 

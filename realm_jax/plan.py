@@ -296,6 +296,12 @@ def realm_programs(config, mesh, num_blocks: int) -> list[Program]:
     programs = [train, refresh_program(config, mesh, num_blocks)]
     if config.train.eval_every > 0:
         programs.append(realm_eval_program(config, mesh, num_blocks, state))
+    if step.frozen_steps(config) > 0:  # the steps before train.embedders_frozen_steps
+        frozen = step.compile_train_step(
+            config, mesh, model, optimizer, shardings, num_blocks, frozen=True
+        )
+        args = (state, batch, emb, tokens, index_step)
+        programs.append(Program("REALM train step (embedders frozen)", frozen, args, groups))
     return programs
 
 

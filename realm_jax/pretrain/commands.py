@@ -106,6 +106,12 @@ def _train(
     step_fn = pretrain_step.compile_train_step(
         config, mesh, model, optimizer, shardings, feed.num_blocks
     )
+    # the steps before train.embedders_frozen_steps: the reader's gradient alone (compiled
+    # only when a step before it is run: a resume past it never compiles it)
+    frozen = pretrain_step.frozen_steps(config)
+    frozen_fn = pretrain_step.compile_train_step(
+        config, mesh, model, optimizer, shardings, feed.num_blocks, frozen=True
+    )
     evaluator = None
     if eval_batches is not None:
         evaluator = RealmEvaluator(config, mesh, model, feed, eval_batches, titles)
@@ -127,9 +133,13 @@ def _train(
             return True
         return feed.due(step) and (feed.mode == "inprocess" or feed.lockstep)
 
-    def step(state, batch):
-        state, metrics = step_fn(state, batch, feed.emb, feed.tokens, jnp.int32(feed.step))
-        return state, metrics
+    def run_with(fn):
+        def step(state, batch):
+            return fn(state, batch, feed.emb, feed.tokens, jnp.int32(feed.step))
+
+        return step
+
+    step, frozen_step = run_with(step_fn), run_with(frozen_fn)
 
     task = loop.Task(
         name="realm",
@@ -140,6 +150,7 @@ def _train(
         console_keys=CONSOLE_KEYS,
         eval_console_keys=EVAL_CONSOLE_KEYS,
         close=lambda: _close(feed, export),
+        step_for=pretrain_step.step_for(step, frozen_step, frozen),
     )
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event

@@ -9,6 +9,7 @@ positions per query, N blocks (padded), D = proj_size."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,7 +24,7 @@ from realm_jax.model.realm import RealmModel, realm_model, tied_decoder_logits
 from realm_jax.ops.fused_softmax import fused_marginal_loss
 from realm_jax.pretrain import losses, measures, retrieval, terms
 from realm_jax.pretrain.step_config import StepConfig
-from realm_jax.train.optimizer import make_optimizer
+from realm_jax.train.optimizer import EMBEDDERS, make_optimizer
 from realm_jax.train.state import TrainState, create_sharded, guarded_update
 
 
@@ -250,28 +251,97 @@ def train_step(
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
     loss_fn = functools.partial(realm_loss, model=model, mesh=mesh, cfg=cfg)
-    args = (loss_fn, state.params, batch, index_emb, index_tokens)
+    params, frozen = state.params, {}
+    if cfg.embedders_frozen:
+        loss_fn, params, frozen = _reader_only(loss_fn, state.params)
+    args = (loss_fn, params, batch, index_emb, index_tokens)
     if cfg.grad_accum > 1:
         grads, metrics = accumulated_grads(*args, cfg.grad_accum, mesh, rng)
     else:
         grads, metrics = one_pass_grads(*args, cfg, rng)
+    grads = {**grads, **jax.tree.map(jnp.zeros_like, frozen)}  # the full tree, as the state's
     new_state = guarded_update(state, grads, metrics, optimizer)
+    if frozen:
+        new_state = new_state.replace(
+            params=_embedders_kept(new_state.params, state.params),
+            opt_state=_embedders_kept(new_state.opt_state, state.opt_state),
+        )
     for name in grads:
         metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     metrics["staleness"] = state.step - index_step
     return new_state, metrics
 
 
-def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, num_valid: int):
+def _reader_only(loss_fn, params):
+    """(loss_fn of the other networks' params alone, those params, the embedders' params):
+    the frozen-embedders step differentiates the reader alone. The embedders still run forward
+    (the queries' search and every candidate's live embedding, dropout included, as the full
+    step's), but with their params outside the differentiated arguments JAX builds no
+    backward through them: REALM's gradient stops at the scores and the query embeddings."""
+    frozen = {k: v for k, v in params.items() if k in EMBEDDERS}
+    rest = {k: v for k, v in params.items() if k not in EMBEDDERS}
+
+    def reader_loss(p, *args, **kwargs):
+        return loss_fn({**p, **frozen}, *args, **kwargs)
+
+    return reader_loss, rest, frozen
+
+
+def _embedders_kept(new, old):
+    """`new` (params or optimizer state) with every leaf under an embedder's key taken from
+    `old`: the frozen-embedders step leaves their weights and Adam moments as they were."""
+
+    def pick(path, n, o):
+        under = any(getattr(k, "key", None) in EMBEDDERS for k in path)
+        return o if under else n
+
+    return jax.tree_util.tree_map_with_path(pick, new, old)
+
+
+def frozen_steps(config) -> int:
+    """train.embedders_frozen_steps: the steps (0 .. n-1) the frozen-embedders step runs."""
+    return int(config.train.get("embedders_frozen_steps", 0))
+
+
+def step_for(full, frozen, frozen_steps: int):
+    """step -> the step function to run (Task.step_for): `frozen` for the steps before
+    train.embedders_frozen_steps, when the optimizer gives the embedders no update, `full`
+    from the step at which they unfreeze on (it takes their first update)."""
+    return lambda step: frozen if step < frozen_steps else full
+
+
+def compile_train_step(
+    config,
+    mesh: Mesh,
+    model,
+    optimizer,
+    state_shardings,
+    num_valid: int,
+    frozen: bool = False,
+):
     """jax.jit of train_step with explicit in/out shardings; the state is donated. The
-    step's settings: StepConfig.from_config(config, num_valid), built here once."""
-    fn = functools.partial(
-        train_step,
-        model=model,
-        optimizer=optimizer,
-        mesh=mesh,
-        cfg=StepConfig.from_config(config, num_valid),
-    )
+    step's settings: StepConfig.from_config(config, num_valid), built here once.
+
+    frozen=True: the variant for the steps before train.embedders_frozen_steps (StepConfig
+    embedders_frozen), where the optimizer gives the embedders no update anyway
+    (optimizer.scale_networks): no gradient for them, their params and Adam moments passed
+    through unchanged, the same metrics (their grad_norm/... 0). Two ways it is not the full
+    step's bit for bit, both because the full step took gradients it then threw away: the
+    global-norm clip (train.grad_clip) and "grad_norm" see the reader's gradient alone, not
+    the embedders' too (the same update when the clip does not bind); and the embedders' Adam
+    moments stay as they were (zero from scratch) where the full step filled them with the
+    frozen phase's gradients, so when they unfreeze their first updates are larger (the
+    moments' bias correction counts every step; train.embedders_warmup_steps tempers it).
+
+    Where we differ from the release: none, in what is computed: every candidate is still
+    re-embedded with the live document embedder (forward only), as the release's step does.
+    Scoring the candidates with the index's rows instead (mips.search_and_fetch's scores)
+    would skip that forward too, but differs from it by the index dtype and by dropout
+    (model.dropout / proj_dropout are on in training, off in the index), so it is not done."""
+    cfg = StepConfig.from_config(config, num_valid)
+    if frozen:
+        cfg = dataclasses.replace(cfg, embedders_frozen=True)
+    fn = functools.partial(train_step, model=model, optimizer=optimizer, mesh=mesh, cfg=cfg)
     rows = sharding.rows_sharding(mesh)
     jitted = jax.jit(
         fn,

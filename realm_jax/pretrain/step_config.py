@@ -30,6 +30,9 @@ class StepConfig:
     inbatch_negatives: bool = False  # train.inbatch_negatives: the prior over the batch's blocks
     imitation_weight: float = 0.0  # train.imitation_weight: the BM25-imitation term's weight
     imitation_negatives: str = "candidates"  # train.imitation_negatives: its columns
+    # the frozen-embedders variant (steps before train.embedders_frozen_steps; not from the
+    # config: compile_train_step(frozen=True)): the reader's gradient alone (step.train_step)
+    embedders_frozen: bool = False
 
     @classmethod
     def from_config(cls, config, num_valid: int) -> StepConfig:

@@ -155,6 +155,7 @@ class Meter:
         self.flops = None  # one device's, a step
         self.tokens = 0  # a global step's input tokens
         self.compiled = False
+        self.step_fns: set[int] = set()  # the step functions compiled (a task may have two)
         self.compile_seconds = 0.0
         self.peak = None
         self.pending = None  # the last step call's metrics, until they are known to be ready
@@ -208,9 +209,11 @@ class Meter:
     def call_step(self, step_fn, state, batch, local: dict):
         """step_fn(state, batch), timed: the first call as compile (and the executables it
         built give the step's FLOPs), waiting for its step to finish, the speed's window
-        starting after it; the others as steps, their outputs kept as in flight."""
+        starting after it; the others as steps, their outputs kept as in flight. A task's
+        other step function (Task.step_for) compiles at its own first call, timed the same
+        way, its FLOPs the step's from then on."""
         self.goodput.steps += 1
-        if self.compiled:
+        if self.compiled and (not self.step_fns or id(step_fn) in self.step_fns):
             with self.timed("step"):
                 out = step_fn(state, batch)
             self.calls += 1
@@ -223,6 +226,7 @@ class Meter:
             out = step_fn(state, batch)
             jax.block_until_ready(out)  # its run, not only its dispatch
         self.compiled = True
+        self.step_fns.add(id(step_fn))
         self.compile_seconds = self.goodput.seconds["compile"]
         self.flops = executables_flops(e for e in _live() if id(e) not in before)
         self.peak = peak_flops()

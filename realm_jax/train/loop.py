@@ -48,6 +48,8 @@ class Task:
     a check that does not (run before every step, waiting would stall the dispatch) says False.
     evaluate(state, step) -> dict of floats: held-out metrics, logged under "eval/".
     console_keys: the metrics printed on the console line.
+    step_for(step) -> the step function for `step` (another compiled variant of `step` for
+    some steps: REALM's frozen-embedders step); None: `step` for every step.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Task:
     console_keys: tuple[str, ...] = ("loss",)
     eval_console_keys: tuple[str, ...] = ()
     close: Callable[[], None] | None = None
+    step_for: Callable[[int], Callable[[Any, dict], tuple[Any, dict]]] | None = None
 
 
 # config.model fields that say how the networks compute, not what a checkpoint holds: a resume
@@ -404,7 +407,8 @@ def run(
                 batch = sharding.global_batch(local, mesh)
             profile.before(step + 1)
             with wd.stage("step", step=step):
-                state, metrics = meter.call_step(task.step, state, batch, local)
+                step_fn = task.step if task.step_for is None else task.step_for(step)
+                state, metrics = meter.call_step(step_fn, state, batch, local)
             step += 1
             profile.after(step, metrics)
             if ids_log is not None and example_ids is not None:

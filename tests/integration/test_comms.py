@@ -74,6 +74,19 @@ def test_realm_train_step_communicates_what_the_design_needs(shape):
         assert grads.bytes >= plan._bytes_per_device(program.groups["parameters"])
 
 
+def test_frozen_embedders_step_communicates_less_than_the_full_step():
+    """The variant for the steps before train.embedders_frozen_steps (plan compiles it last):
+    within the design's bound, nothing in the loss's loop, and the reader's gradient reduced
+    alone: it moves less than the full step."""
+    frozen_steps = ["train.embedders_frozen_steps=2"]
+    program, comm = _audit("configs/realm.py:smoke", (2, 2), -1, frozen_steps)
+    assert program.name == "REALM train step (embedders frozen)"
+    _check_design(program.name, comm, (2, 2))
+    assert comm["in_loops"] == 0, comm["largest"]
+    _, full = _audit("configs/realm.py:smoke", (2, 2), 0, frozen_steps)
+    assert comm["total_bytes"] < full["total_bytes"], (comm["total_bytes"], full["total_bytes"])
+
+
 @pytest.mark.parametrize(
     "spec, which",
     [("configs/realm.py:smoke", 1), ("configs/ict.py:smoke", 0)],
