@@ -46,6 +46,7 @@ RANDOM = [
     "model.init_embedders_from_ict=",
     "train.own_block_steps=0",
     "train.embedders_frozen_steps=200",
+    "train.frozen_step=true",
 ]
 
 

@@ -58,6 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t.embedder_lr_scale = 1.0  # the embedders' LR relative to train.lr
     t.embedders_frozen_steps = 0  # ICT trains the embedders alone: from its first step
     t.embedders_warmup_steps = 0  # (no late start)
+    t.frozen_step = False  # (no frozen steps: REALM's reader-only step unused)
     t.own_block_steps = 0  # (REALM pre-training only)
     return c
 

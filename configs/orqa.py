@@ -119,6 +119,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t.embedder_lr_scale = {"squad": 0.2, "world": 0.1}.get(variant, 1.0)
     t.embedders_frozen_steps = 0  # the query embedder trains from the first step, as in ORQA
     t.embedders_warmup_steps = 0  # (no late start)
+    t.frozen_step = False  # (no frozen steps: REALM's reader-only step unused)
     t.own_block_steps = 0  # (REALM pre-training only)
     t.log_every = 10 if variant != "base" else 100
     t.checkpoint_every = {"smoke": 20, "squad": 500, "world": 100}.get(variant, 1000)

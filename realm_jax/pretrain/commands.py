@@ -109,9 +109,11 @@ def _train(
     # the steps before train.embedders_frozen_steps: the reader's gradient alone (compiled
     # only when a step before it is run: a resume past it never compiles it)
     frozen = pretrain_step.frozen_steps(config)
-    frozen_fn = pretrain_step.compile_train_step(
-        config, mesh, model, optimizer, shardings, feed.num_blocks, frozen=True
-    )
+    frozen_fn = None
+    if frozen > 0:
+        frozen_fn = pretrain_step.compile_train_step(
+            config, mesh, model, optimizer, shardings, feed.num_blocks, frozen=True
+        )
     evaluator = None
     if eval_batches is not None:
         evaluator = RealmEvaluator(config, mesh, model, feed, eval_batches, titles)
@@ -139,7 +141,8 @@ def _train(
 
         return step
 
-    step, frozen_step = run_with(step_fn), run_with(frozen_fn)
+    step = run_with(step_fn)
+    frozen_step = run_with(frozen_fn) if frozen_fn is not None else None
 
     task = loop.Task(
         name="realm",
@@ -150,7 +153,7 @@ def _train(
         console_keys=CONSOLE_KEYS,
         eval_console_keys=EVAL_CONSOLE_KEYS,
         close=lambda: _close(feed, export),
-        step_for=pretrain_step.step_for(step, frozen_step, frozen),
+        step_for=pretrain_step.step_for(step, frozen_step, frozen) if frozen_step else None,
     )
     return loop.run(
         config, workdir, task, state, it, mgr, start, pipeline.iterator_save_args, stop_event

@@ -299,7 +299,10 @@ def _embedders_kept(new, old):
 
 
 def frozen_steps(config) -> int:
-    """train.embedders_frozen_steps: the steps (0 .. n-1) the frozen-embedders step runs."""
+    """The steps (0 .. n-1) the frozen-embedders step runs: train.embedders_frozen_steps when
+    train.frozen_step is on (off by default: configs/realm.py says why), else none."""
+    if not config.train.get("frozen_step", False):
+        return 0
     return int(config.train.get("embedders_frozen_steps", 0))
 
 

@@ -78,7 +78,7 @@ def test_frozen_embedders_step_communicates_less_than_the_full_step():
     """The variant for the steps before train.embedders_frozen_steps (plan compiles it last):
     within the design's bound, nothing in the loss's loop, and the reader's gradient reduced
     alone: it moves less than the full step."""
-    frozen_steps = ["train.embedders_frozen_steps=2"]
+    frozen_steps = ["train.embedders_frozen_steps=2", "train.frozen_step=true"]
     program, comm = _audit("configs/realm.py:smoke", (2, 2), -1, frozen_steps)
     assert program.name == "REALM train step (embedders frozen)"
     _check_design(program.name, comm, (2, 2))

@@ -23,6 +23,7 @@ from tests.support.runs import realm_config
 # reader's update does not depend on whether the embedders' gradients join its global norm
 OVERRIDES = (
     "train.embedders_frozen_steps=5",
+    "train.frozen_step=true",
     "train.grad_clip=1e9",
     "model.embedder.dropout=0.1",
     "model.reader.dropout=0.1",
@@ -195,12 +196,14 @@ def data_dir(tmp_path_factory):
     return prepare_sample_head(tmp_path_factory, realm_config, 60)
 
 
+@pytest.mark.parametrize("on", [True, False], ids=["frozen_step", "default"])
 def test_realm_training_runs_the_frozen_step_until_the_embedders_unfreeze(
-    data_dir, tmp_path, monkeypatch
+    data_dir, tmp_path, monkeypatch, on
 ):
     """`train` with train.embedders_frozen_steps=2 of 4 steps: the frozen step runs steps 0 and 1,
     the full step 2 and 3; the checkpoint of step 2 holds the embedders of step 0 bit for bit
-    (and their Adam moments), step 4's do not (the full step 2 moved them)."""
+    (and their Adam moments), step 4's do not (the full step 2 moved them). Without
+    train.frozen_step (the default) every step is the full one and no frozen step is compiled."""
     ran, compile_step = [], pretrain_step.compile_train_step
 
     def spied(*args, frozen=False, **kwargs):
@@ -216,12 +219,16 @@ def test_realm_training_runs_the_frozen_step_until_the_embedders_unfreeze(
     over = (
         "train.steps=4",
         "train.embedders_frozen_steps=2",
+        f"train.frozen_step={str(on).lower()}",
         "train.checkpoint_every=2",
         "train.keep_checkpoints=3",
         f"data.data_dir={data_dir}",
     )
     config = realm_config(*over)
     pretrain_commands.train(config, str(tmp_path))
+    if not on:
+        assert ran == [("full", 0), ("full", 1), ("full", 2), ("full", 3)]
+        return
     assert ran == [("frozen", 0), ("frozen", 1), ("full", 2), ("full", 3)]
     mesh = sharding.make_mesh(config.mesh)
     _, _, state, shardings = pretrain_step.create_state(config, mesh, jax.random.key(1))
