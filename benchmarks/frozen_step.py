@@ -159,9 +159,12 @@ def main(argv=None) -> int:
         "weights and a random 1,000-block index.\n\n"
         "| setting | steps timed | full step, s | frozen step, s | full / frozen |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        f"The machine was loaded (long training runs beside it: {loads[0]} at the start, "
-        f"{loads[1]} at the end): the step times are slower than an idle machine's, the ratio "
-        "less affected, both steps sharing the load alike."
+        "`train.frozen_step=true` turns the variant on; it is off by default until its effect "
+        "on learning is measured (the clip sees the reader's gradient alone, and the embedders "
+        "unfreeze with empty Adam moments).\n\n"
+        f"The machine's load: {loads[0]} at the start, {loads[1]} at the end (on a loaded "
+        "machine the step times are slower, the ratio less affected: both steps share the "
+        "load alike)."
     )
     if not args.no_write:
         write_section("Frozen-embedders step", body)
