@@ -148,7 +148,10 @@ def world(a) -> int:
                     run(["train", "--config", REALM, "--workdir", wd, *paths, *start_flags()],
                         f"{wd}.log")  # fmt: skip
                 h = history(wd)
-                last = max(h["recall@5"])
+                last = a.realm_step if a.realm_step >= 0 else max(h["recall@5"])
+                if last not in h["recall@5"]:
+                    print(f"{wd}: no evaluation at step {last} (has {sorted(h['recall@5'])})")
+                    return 2
                 results[seed, arm] = {k: v[last] for k, v in h.items()}
                 results[seed, arm]["step"] = last
             else:  # ict, ict_lr, imitation: an ICT run from the trusted start, then scored
@@ -192,11 +195,21 @@ def world(a) -> int:
                 f"(per seed {', '.join(f'{x:+.1f}' for x in d)})"
             )
     body = (
-        f"`python experiments/trusted_start/study.py world --seeds {a.seeds} --arms {a.arms}`: "
+        f"`python experiments/trusted_start/study.py world --seeds {a.seeds} --arms {a.arms}"
+        + (f" --realm_step {a.realm_step}" if a.realm_step >= 0 else "")
+        + (" --partial`" if a.partial else "`")
+        + ": "
         f"the attributes world of `{REALM}` (`--config.world.mention=attributes`), each seed its "
         "own world; 256 held-out people's masked sentences, recall@k of the masked fact's own "
-        "document; the trusted start is all-MiniLM-L6-v2 (`model.init_retriever_from`); "
-        f"REALM at step {', '.join(map(str, steps))} of 400 (its last evaluation).\n\n"
+        "document; the trusted start is all-MiniLM-L6-v2 (`model.init_retriever_from`)"
+        + (
+            f"; REALM at step {', '.join(map(str, steps))} of 400 ("
+            + ("--realm_step" if a.realm_step >= 0 else "its last evaluation")
+            + ")"
+            if steps
+            else ""
+        )
+        + ".\n\n"
         + table
         + "\n\n"
         + "\n".join(f"- {d}" for d in diffs)
@@ -219,6 +232,12 @@ def main(argv=None) -> int:
         "--partial",
         action="store_true",
         help="read a REALM run that has not finished at its last evaluation (no rerun)",
+    )
+    w.add_argument(
+        "--realm_step",
+        type=int,
+        default=-1,
+        help="read every seed's REALM run at this evaluation step (default: its last)",
     )
     s = sub.add_parser("squad", help="SQuAD's held-out questions, zero-shot")
     s.add_argument("--root", default="runs/trusted/squad")
