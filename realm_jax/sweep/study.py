@@ -347,6 +347,7 @@ def table_command(args) -> int:
     prefix = fs.abspath(args.table)
     if fs.is_remote(prefix) and not args.storage:
         raise ConfigError(f"--table {prefix}: name the study's database with --storage URL")
+    fs.check_buckets([prefix])  # a bucket that is not there: one line, before the database
     url = args.storage or storage.default_url(prefix)
     if url.startswith("sqlite:") and not fs.exists(url.split("sqlite:///", 1)[-1]):
         raise ConfigError(

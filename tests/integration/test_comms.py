@@ -74,6 +74,7 @@ def test_realm_train_step_communicates_what_the_design_needs(shape):
         assert grads.bytes >= plan._bytes_per_device(program.groups["parameters"])
 
 
+@pytest.mark.system  # train.frozen_step is off by default: make test compiles no such step
 def test_frozen_embedders_step_communicates_less_than_the_full_step():
     """The variant for the steps before train.embedders_frozen_steps (plan compiles it last):
     within the design's bound, nothing in the loss's loop, and the reader's gradient reduced

@@ -19,6 +19,10 @@ from tests.conftest import REPO, prepare_sample_head
 from tests.support.realm_fixtures import synthetic_batch, synthetic_index, tiny_config
 from tests.support.runs import realm_config
 
+# train.frozen_step is off by default (configs/realm.py): its checks run in the system tier
+# (about 4 min on a loaded 2-core machine), outside make test's 15 minutes (docs/testing.md)
+pytestmark = pytest.mark.system
+
 # dropout on (the frozen step must keep the full step's keys); the clip far away, so that the
 # reader's update does not depend on whether the embedders' gradients join its global norm
 OVERRIDES = (

@@ -445,8 +445,8 @@ def test_bad_gcs_paths_are_one_line_errors(qa_run):
     cases = [
         (["train", "--workdir", "gs://no-such-bucket/run"], None,
          "gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"),
-        (["sweep", "--table", "gs://no-such-bucket/sweep"], None,
-         "gs://no-such-bucket/sweep: bucket gs://no-such-bucket does not exist"),
+        (["sweep", "--table", "gs://no-such-bucket/sweep", "--storage", "grpc://127.0.0.1:1"],
+         None, "gs://no-such-bucket/sweep: bucket gs://no-such-bucket does not exist"),
         (["evaluate", *orqa, "--workdir", work, "--output", "gs://no-such-bucket/out"], None,
          "gs://no-such-bucket/out: bucket gs://no-such-bucket does not exist"),
         (["evaluate", *orqa, "--workdir", work], dead, f"{work}: cannot reach gs://{BUCKET}"),
