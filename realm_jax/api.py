@@ -183,11 +183,48 @@ class Model:
             self._manager()
         # one device of this host, whatever mesh the workdir was trained on
         self._mesh = sharding.inference_mesh(config.mesh, devices=jax.local_devices()[:1])
-        self._blocks = datasets.blocks_source(self.data_dir)
-        self._predictors: dict[str, tuple] = {}
+        self._pin()
         self._params: dict | None = None
+
+    def _pin(self) -> None:
+        """Read one corpus version (data/versions.py) for everything: its blocks, its index,
+        BM25 over its live blocks; positions map to stable block ids (Hit.block_id)."""
+        from realm_jax.data import versions
+
+        self._blocks = versions.open_view(self.config, self.workdir)
+        self._predictors: dict[str, tuple] = {}
         self._emb: np.ndarray | None = None
         self._bm25 = None
+
+    @property
+    def corpus_version(self) -> int:
+        """The corpus version this Model reads (0: the prepared corpus, never updated)."""
+        return self._blocks.version
+
+    def update(self, add=None, delete=None, scann_rebuild_share: float | None = None) -> dict:
+        """Change the workdir's corpus, not the model (`realm-jax update`): add=[{"id",
+        "title", "text"}] adds documents or replaces those ids, delete=["id", ...] deletes;
+        only the changed documents' blocks are embedded, with the document embedder that made
+        the index, and a new corpus version is published atomically. This Model then reads
+        it. Returns the counts and seconds (update.Result)."""
+        import dataclasses
+
+        from realm_jax.data import update as update_lib
+
+        changes = update_lib.api_changes(add, delete)
+        share = (
+            update_lib.SCANN_REBUILD_SHARE if scann_rebuild_share is None else scann_rebuild_share
+        )
+        r = update_lib.apply(
+            self.config,
+            self.workdir,
+            changes,
+            source="realm_jax.Model.update",
+            scann_rebuild_share=share,
+            say=log.info,
+        )
+        self._pin()
+        return dataclasses.asdict(r)
 
     def __repr__(self) -> str:
         kind = "fine-tuned (QA)" if self.is_qa else f"pre-trained ({self.config.task})"
@@ -226,22 +263,33 @@ class Model:
         if self._emb is None:
             from realm_jax.index import store
 
-            found = store.latest_valid(paths.index_dir(self.workdir))
+            found = store.latest_valid(self._blocks.index_dir)
             if found is None:
                 raise FileNotFoundError(
-                    f"no valid index in {paths.index_dir(self.workdir)}: publish one "
+                    f"no valid index in {self._blocks.index_dir}: publish one "
                     "(`realm-jax refresh --max_versions 1`, or `finetune`, which publishes its "
                     "frozen index)"
                 )
-            self._emb = np.asarray(store.load_embeddings(found[1]), np.float32)
+            emb = np.asarray(store.load_embeddings(found[1]), np.float32)
+            if len(emb) != len(self._blocks):
+                raise ValueError(
+                    f"{found[1]}: {len(emb)} rows for the {len(self._blocks)} blocks of "
+                    f"{self._blocks!r}"
+                )
+            self._emb = emb
         return self._emb
 
     def _text(self, i: int) -> tuple[str, str]:
+        """(title, text) of position i of the pinned version."""
         rec = self._blocks[int(i)]
         return rec["title"].decode(), rec["text"].decode()
 
     def _hit(self, i: int, score: float) -> Hit:
-        return Hit(int(i), *self._text(i), float(score))
+        """Position i as a Hit naming its stable block id."""
+        return Hit(self._blocks.row(i), *self._text(i), float(score))
+
+    def _hit_of_row(self, row: int, score: float) -> Hit:
+        return Hit(int(row), *self._blocks.text(row), float(score))
 
     # -------------------------------------------------------------------------- embedding
     @functools.cached_property
@@ -387,14 +435,16 @@ class Model:
 
         if retriever not in self._predictors:
             self._predictors[retriever] = open_predictor(
-                self.config, self.workdir, retriever, self._which
+                self.config, self.workdir, retriever, self._which, view=self._blocks
             )
         predictor, params, _ = self._predictors[retriever]
         records, _ = predictor.run(params, [QAExample(q, ()) for q in qs], batch_size)
         out = []
         for q, r in zip(qs, records, strict=True):
             # each block's retrieval score: bm25 / hybrid their own, dense the relevance
-            evidence = [self._hit(b["id"], b.get(retriever, b["score"])) for b in r["top_blocks"]]
+            evidence = [
+                self._hit_of_row(b["id"], b.get(retriever, b["score"])) for b in r["top_blocks"]
+            ]  # the records name stable block ids (the predictor maps its positions)
             block = next((h for h in evidence if h.block_id == r["block"]["id"]), evidence[0])
             out.append(Answer(q, r["prediction"], float(r["score"]), block, evidence))
         return out[0] if single else out

@@ -26,6 +26,7 @@ COMMANDS = {
     "import": "HF REALM folders or the release's TF checkpoints -> a workdir (+ block_emb index)",
     "export": "a workdir's checkpoint -> HuggingFace REALM folders (safetensors)",
     "world": "generate a seeded knowledge world (corpus, annotated text, QA) into --workdir",
+    "update": "add, replace and delete documents of a trained workdir's corpus (no training)",
 }
 
 # Training commands: their process's watchdog runs from start-up (the checkpoint restore) to
@@ -44,6 +45,7 @@ ENTRY = {
     "import": "realm_jax.interop.commands:import_command",
     "export": "realm_jax.interop.commands:export_command",
     "world": "realm_jax.data.world:command",
+    "update": "realm_jax.data.update:command",
 }
 # commands that write a workdir's data or networks: its config is recorded there
 # (run_record.RUN_CONFIG = api.RUN_CONFIG), and every command on the workdir reads it back
@@ -176,6 +178,26 @@ def _parser() -> argparse.ArgumentParser:
             )
         if name == "sweep":
             _sweep_arguments(s)
+        if name == "update":
+            s.add_argument(
+                "--corpus",
+                default="",
+                help="CHANGES.jsonl: {id, title, text} adds or replaces, {id, delete: true} "
+                "deletes; with --replace_all a whole new corpus (any format prepare reads)",
+            )
+            s.add_argument(
+                "--replace_all",
+                action="store_true",
+                help="--corpus is the whole new corpus: diffed by id and content, ids it lacks "
+                "are deleted",
+            )
+            s.add_argument(
+                "--scann_rebuild_share",
+                type=float,
+                default=0.1,
+                help="rebuild ScaNN once the rows changed since its build pass this share of "
+                "the index (below it: ScaNN's own upsert and delete)",
+            )
         if name in ("import", "export"):
             _hf_arguments(s, name)
         if name == "refresh":
@@ -495,6 +517,10 @@ def _run(args, overrides: list[str]) -> int:
 
     fs.check_buckets([args.workdir, *fs.urls_in(config.to_dict())])  # every gs:// bucket named
     module, function = entry_point(args.command, config).split(":")
+    if args.command in ("train", "local", "refresh", "ict") and config.task != "qa":
+        from realm_jax.data import versions  # an updated corpus is not pre-trained on
+
+        versions.refuse_pretraining(args.workdir, args.command)
     from realm_jax import runtime
 
     runtime.setup(args)

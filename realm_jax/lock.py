@@ -41,7 +41,7 @@ log = logging.getLogger("realm_jax.lock")
 
 # The trainer and the refresher of one run share a workdir (`local`), so each role has its own
 # lock: two trainers exclude each other, a trainer and a refresher do not.
-ROLES = ("trainer", "refresher")
+ROLES = ("trainer", "refresher", "update")
 LEASE_SECONDS = 60.0  # an object-store lease not renewed for this long is free
 RENEW_SECONDS = 15.0  # how often its holder renews it
 

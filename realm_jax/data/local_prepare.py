@@ -56,19 +56,29 @@ def build_blocks(data, stats: collections.Counter) -> list[corpus_lib.Block]:
     blocks: list[corpus_lib.Block] = []
     with _progress(total=total, desc="blocks: tokenise", unit="doc") as bar:
         for chunk in chunks(docs, CHUNK):
-            titles = tk.wordpieces([t for _, t, _ in chunk])
-            bodies = tk.wordpieces([b for _, _, b in chunk])
-            sents = masking.split_sentences((b for _, _, b in chunk), by_line=by_line)
-            for (doc_id, title, body), t, b, s in zip(chunk, titles, bodies, sents, strict=True):
-                new = corpus_lib.split_blocks(
-                    doc_id, title, body, t.ids, b, s, data.block_len, len(blocks)
-                )
+            for new in blocks_of(chunk, data.block_len, len(blocks), by_line):
                 if not new:
                     stats["skipped_empty_text"] += 1
                 blocks.extend(new)
             bar.update(len(chunk))
     stats["blocks"] = len(blocks)
     return blocks
+
+
+def blocks_of(
+    docs: list[tuple[str, str, str]], block_len: int, first_id: int, by_line: bool = False
+) -> list[list[corpus_lib.Block]]:
+    """Each (doc_id, title, text) cut into blocks (an empty list: no usable text), ids from
+    first_id on in order: prepare's cut, and `update`'s for the documents it changes."""
+    titles = tk.wordpieces([t for _, t, _ in docs])
+    bodies = tk.wordpieces([b for _, _, b in docs])
+    sents = masking.split_sentences((b for _, _, b in docs), by_line=by_line)
+    out = []
+    for (doc_id, title, body), t, b, s in zip(docs, titles, bodies, sents, strict=True):
+        new = corpus_lib.split_blocks(doc_id, title, body, t.ids, b, s, block_len, first_id)
+        first_id += len(new)
+        out.append(new)
+    return out
 
 
 def pretraining_sentences(data, blocks, stats):

@@ -14,7 +14,7 @@ import numpy as np
 
 from realm_jax import checkpoint, fs, sharding, validation
 from realm_jax import workdir as paths
-from realm_jax.data import datasets
+from realm_jax.data import versions
 from realm_jax.index import store
 from realm_jax.index.embedding import abstract_params, embed_query_tokens
 from realm_jax.tokenization import encode_query
@@ -37,9 +37,9 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
     """[(title, text, score)] of the top_k blocks for a question or masked sentence."""
     validation.question(question)
     top_k = validation.top_k(top_k, "--top_k")
-    ddir = paths.data_dir(config, workdir)
-    top_k = min(top_k, datasets.load_summary(ddir)["counts"]["blocks"])  # never pad rows
-    found = store.latest_valid(paths.index_dir(workdir))
+    view = versions.open_view(config, workdir)  # one corpus version: its blocks, its index
+    top_k = min(top_k, len(view))  # never pad rows
+    found = store.latest_valid(view.index_dir)
     if found is None:
         trained = fs.isdir(paths.checkpoint_dir(workdir)) and (
             checkpoint.manager(workdir, with_data=False, read_only=True).latest_step() is not None
@@ -49,7 +49,7 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
             if trained  # trained with refresh.mode=amortized: nothing published
             else TRAIN_FIRST
         )
-        raise FileNotFoundError(f"no valid index in {paths.index_dir(workdir)}: {hint}")
+        raise FileNotFoundError(f"no valid index in {view.index_dir}: {hint}")
     _, path = found
     # one device of this process (jax.devices()[0] is process 0's): every process answers alone
     mesh = sharding.inference_mesh(config.mesh, devices=jax.local_devices()[:1])
@@ -61,12 +61,15 @@ def ask(config, workdir: str, question: str, top_k: int = 5):
         from realm_jax.index import scann as scann_index
 
         hits, scores = scann_index.search(scann_index.load_searcher(scann_dir), q, top_k)
+        # datapoint -> block id (an update's upserts and deletes reorder them)
+        rows = view.scann_rows if view.scann_rows is not None else view.rows
     else:
         emb = store.load_embeddings(path)
         s = q @ emb.T
         hits = np.argsort(-s, axis=1)[:, :top_k]
         scores = np.take_along_axis(s, hits, axis=1)
-    return [(*datasets.block_text(ddir, int(i)), float(s)) for i, s in zip(hits[0], scores[0])]
+        rows = view.rows  # position -> block id
+    return [(*view.text(int(rows[i])), float(s)) for i, s in zip(hits[0], scores[0]) if i >= 0]
 
 
 def one_line(text: str, width: int = 200) -> str:

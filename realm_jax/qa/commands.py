@@ -15,7 +15,7 @@ import optax
 
 from realm_jax import checkpoint, fs, sharding, validation, watchdog
 from realm_jax import workdir as paths
-from realm_jax.data import datasets, pipeline
+from realm_jax.data import datasets, pipeline, versions
 from realm_jax.index import store
 from realm_jax.index.ask import one_line
 from realm_jax.index.embedding import Progress, abstract_params, index_dtype
@@ -48,16 +48,22 @@ EVAL_CONSOLE_KEYS = ("exact_match", "recall@1", "recall@5", "recall@20")
 CHECKPOINTS = ("best", "latest", "initial")  # evaluate --checkpoint
 
 
-def frozen_index(config, workdir: str, mesh, model, params, tokens) -> FrozenIndex:
+def frozen_index(config, workdir: str, mesh, model, params, tokens, view=None) -> FrozenIndex:
     """The fine-tuning run's frozen index: its published version if it has one (a resume),
     else every block embedded once with the initial document embedder and published (with a
-    ScaNN searcher when refresh.build_scann), so `evaluate` and `ask` read the same index."""
-    idir = paths.index_dir(workdir)
+    ScaNN searcher when refresh.build_scann), so `evaluate` and `ask` read the same index.
+    view: the corpus version read (versions.View; its live blocks are `tokens`): an updated
+    workdir's index is that version's own, published by `update`."""
+    idir = paths.index_dir(workdir) if view is None else view.index_dir
     dim = config.model.proj_size
     found = store.latest_valid(idir, expected_num_blocks=len(tokens), expected_dim=dim)
     if found is not None:
         log.info("frozen index: %s", found[1])
         return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
+    if view is not None and view.version > 0:
+        raise store.CorruptIndexError(
+            f"{idir}: no valid index of {view!r} ({len(tokens)} blocks, dim {dim})"
+        )
     t0 = time.perf_counter()
     batch, dtype = config.refresh.embed_batch_size, index_dtype(config)
     progress = Progress(log, "the frozen index", len(tokens))  # JAX's calls return at once:
@@ -81,6 +87,10 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
     """ORQA fine-tuning; resumable. Returns the logged metrics."""
     tc = config.train
     mesh, ddir, (tokens, doc_ids, _) = loop.setup(config, workdir)
+    view = versions.open_view(config, workdir)  # an updated corpus: its newest version's
+    if view.version > 0:  # live blocks (positions), its index; records name stable ids
+        tokens, doc_ids, _ = view.blocks()
+        log.info("fine-tuning over %r", view)
     qa_step.check_config(config, realm_model(config.model), len(tokens), mesh)
     _, arrays = qa_data.training_questions(config, ddir, blocks=(tokens, doc_ids))
     dev = qa_data.dev_questions(config, ddir) if tc.eval_every > 0 else []
@@ -108,12 +118,12 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
         (pipeline.iterator_save_args, pipeline.iterator_restore_args),
         fingerprint=fingerprint,
     )
-    index = frozen_index(config, workdir, mesh, model, state.params, tokens)
+    index = frozen_index(config, workdir, mesh, model, state.params, tokens, view)
     step_fn = qa_step.compile_train_step(config, mesh, model, optimizer, shardings, len(tokens))
     evaluate = None
     if dev:
         retriever = config.qa.get("dev_retriever", "dense")  # the dev evaluation's
-        predictor = Predictor(config, mesh, model, index, ddir, retriever)
+        predictor = Predictor(config, mesh, model, index, ddir, retriever, view=view)
         dev_eval = DevEvaluator(config, predictor, dev)
         best = checkpoint.best_manager(paths.best_dir(workdir), config.qa.best_metric)
 
@@ -218,22 +228,27 @@ def initial_params(config, mesh):
     return model, dict(state.params)
 
 
-def open_predictor(config, workdir: str, retriever: str, which: str = "best", model=True):
+def open_predictor(
+    config, workdir: str, retriever: str, which: str = "best", model=True, view=None
+):
     """(predictor, params, description) for `evaluate` and `ask` over a fine-tuned workdir's
     frozen index. which: best / latest (restore_reader) or "initial": the config's warm start
     (initial_params), the networks fine-tuning starts from, against the index `finetune`
     published from the same initial document embedder, or embedded and published here when
     the workdir has none yet (retrieval alone: the pre-trained retriever's zero-shot recall).
-    model=False (BM25 retrieval alone): no checkpoint is read, params are None."""
+    model=False (BM25 retrieval alone): no checkpoint is read, params are None.
+    view: the corpus version to read (versions.View; default the workdir's newest): its live
+    blocks, its index."""
     which = validation.checkpoint(which, CHECKPOINTS)  # best, latest, initial or a step
     validation.retriever(retriever, RETRIEVERS)
     mesh = sharding.inference_mesh(config.mesh, batch_size=int(config.train.eval_batch_size))
     ddir = paths.data_dir(config, workdir)
     if model:  # the blocks and questions are embedded: their ids must fit the vocabulary
         datasets.check_vocab(config, ddir)
-    tokens, doc_ids, _ = datasets.load_blocks(ddir)
+    view = view if view is not None else versions.open_view(config, workdir)
+    tokens, doc_ids, _ = view.blocks()
     found = store.latest_valid(
-        paths.index_dir(workdir),
+        view.index_dir,
         expected_num_blocks=len(tokens),
         expected_dim=config.model.proj_size,
     )
@@ -243,10 +258,10 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
         source = f"initial (the warm start: {warm_start_source(config)})"
         if found is None:  # zero-shot before any fine-tuning: the warm start's own index,
             # embedded and published as `finetune` does at its start (which then reuses it)
-            index = frozen_index(config, workdir, mesh, net, params, tokens)
+            index = frozen_index(config, workdir, mesh, net, params, tokens, view)
     elif found is None:
         raise FileNotFoundError(
-            f"no valid index in {paths.index_dir(workdir)}: run `realm-jax finetune` with this "
+            f"no valid index in {view.index_dir}: run `realm-jax finetune` with this "
             "workdir first (it publishes the frozen index)"
         )
     elif model:
@@ -257,7 +272,7 @@ def open_predictor(config, workdir: str, retriever: str, which: str = "best", mo
     if index is None:
         index = FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
     gold = (tokens, doc_ids) if retriever == "gold" else None  # the host table: gold only
-    predictor = Predictor(config, mesh, net, index, ddir, retriever, blocks=gold)
+    predictor = Predictor(config, mesh, net, index, ddir, retriever, blocks=gold, view=view)
     return predictor, params, source
 
 
@@ -401,10 +416,10 @@ def ask(config, args) -> int:
     predictor, params, source = open_predictor(config, args.workdir, args.retriever)
     log.info("answering with the %s", source)
 
-    blocks = datasets.blocks_source(paths.data_dir(config, args.workdir))
+    view = predictor.blocks  # the corpus version read (versions.View): records name its rows
 
     def text_of(block_id: int) -> str:
-        return blocks[int(block_id)]["text"].decode()
+        return view.text(block_id)[1]
 
     def answer(question: str) -> None:
         records, _ = predictor.run(params, [QAExample(question, ())], 1)

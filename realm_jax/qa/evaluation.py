@@ -108,9 +108,12 @@ class Predictor:
         data_dir: str,
         retriever: str,
         blocks=None,
+        view=None,
     ):
         """blocks: (host token table [N, Lb], doc_ids) of the prepared data, which the gold
-        retriever needs (read from data_dir when not given)."""
+        retriever needs (read from data_dir when not given). view: the corpus version read
+        (versions.View, whose live blocks the index holds in order); searches run over its
+        positions and records name stable block ids (view.row)."""
         if retriever not in RETRIEVERS:
             raise ValueError(f"retriever must be one of {RETRIEVERS}, got {retriever!r}")
         q = config.qa
@@ -125,11 +128,14 @@ class Predictor:
         # rescored dense + qa.hybrid_bm25_weight x BM25, both computed exactly for each
         self.pool = min(max(int(q.get("hybrid_pool", 100)), self.depth), index.num_blocks)
         self.hybrid_weight = float(q.get("hybrid_bm25_weight", 1.0))
-        self.blocks = datasets.blocks_source(data_dir)
+        self.blocks = view if view is not None else datasets.blocks_source(data_dir)
+        self._row = view.row if view is not None else int
         self.gold_table = None
         if retriever == "gold":
             if blocks is None:
-                tokens, doc_ids, _ = datasets.load_blocks(data_dir)
+                tokens, doc_ids, _ = (
+                    view.blocks() if view is not None else datasets.load_blocks(data_dir)
+                )
                 blocks = (tokens, doc_ids)
             self.gold_table = blocks
         kw = dict(model=model, mesh=mesh)
@@ -313,7 +319,7 @@ class Predictor:
     def _retrieved(self, ex, ids, scores, has) -> dict:
         top = [
             {
-                "id": int(i),
+                "id": self._row(i),
                 "title": self._block(i)["title"].decode(),
                 "score": float(s),
                 "has_answer": bool(h),
@@ -358,7 +364,7 @@ class Predictor:
             blk = self._block(ids[j])
             t = blk["title"].decode()
             entry = {
-                "id": int(ids[j]),
+                "id": self._row(ids[j]),
                 "title": t,
                 "score": float(pred["relevance"][b, j]),
                 "has_answer": bool(has[j]),
@@ -379,7 +385,7 @@ class Predictor:
             "prediction": answer,
             "gold": list(ex.answers),
             "correct": bool(ex.answers and qa_answers.is_correct(ex.answers, answer, ex.is_regex)),
-            "block": {"id": int(ids[r]), "title": title, "text": rec["text"].decode()},
+            "block": {"id": self._row(ids[r]), "title": title, "text": rec["text"].decode()},
             "score": float(pred["score"][b]),
             "top_blocks": top,
         }
