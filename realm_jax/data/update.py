@@ -48,6 +48,19 @@ CHECK_ROWS = 4  # served blocks re-embedded to check the embedder is the index's
 MAX_SHOWN = 5  # bad lines named in the one error line
 
 
+DRILL_ENV = "REALM_JAX_DRILL_UPDATE"  # "<stage>:<mark file>": acceptance/update_drills.py
+
+
+def _stage(name: str) -> None:
+    """A named point of an update. Under the drill's variable naming this stage, it notes
+    the pid in the mark file and waits there to be killed (kill -9 at a chosen point)."""
+    want = os.environ.get(DRILL_ENV, "")
+    if want.split(":", 1)[0] == name:
+        with open(want.split(":", 1)[1], "a") as f:
+            f.write(f"{os.getpid()} {name}\n")
+        time.sleep(600)
+
+
 @dataclasses.dataclass
 class Change:
     where: str  # file:line, or add[i] / delete[i] from the Python API
@@ -446,6 +459,7 @@ def apply(
         if not plan.new_blocks and not plan.dead:
             say("update: nothing to change")
             return _result(view.version, plan, len(view), "", t)
+        _stage("diffed")
         embedder = served_embedder(view, imani)
         t1 = time.perf_counter()
         new_emb = np.zeros((0, emb.shape[1]), np.float32)
@@ -456,6 +470,7 @@ def apply(
             tokens = np.zeros((len(plan.new_blocks), L), np.int32)
             for i, b in enumerate(plan.new_blocks):
                 tokens[i, : len(b.token_ids[:L])] = b.token_ids[:L]
+            _stage("embedding")
             new_emb = embed(tokens)
             t["embed"] = time.perf_counter() - t1
             say(f"update: embedded {len(tokens)} blocks with {embedder} ({t['embed']:.1f} s)")
@@ -576,6 +591,7 @@ def _publish(
     put(versions.DOCS, gzip.compress(json.dumps(plan.docs).encode(), 6, mtime=0))
     if scann_rows is not None:
         put(versions.SCANN_ROWS, _npy(np.asarray(scann_rows, np.int64)))
+    _stage("segment")  # the blocks, live rows and documents written, no index yet
     extra = {"corpus_version": k, "frozen": bool(imani.get("frozen", False))}
     store.publish_index(
         fs.join(folder, versions.INDEX),
@@ -610,9 +626,11 @@ def _publish(
         "created": time.time(),
         "files": files,
     }
+    _stage("index")  # the version's index published inside it, no manifest yet
     if not remote:
         store._fsync_tree(folder)
     fs.write_bytes(fs.join(folder, versions.MANIFEST), json.dumps(manifest, indent=1).encode())
+    _stage("manifest")  # committed in the temp folder, not yet renamed into place
     if not remote:
         if os.path.exists(final):
             fs.rmtree(folder)

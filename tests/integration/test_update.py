@@ -1,0 +1,214 @@
+"""`update` (issue 61): a trained workdir's corpus changed without training.
+
+On two sample articles with the tiny networks: the published index after an update equals every
+live block of the edited corpus embedded afresh (an independent path: the whole table through
+the embedding pass fine-tuning uses), block ids stay stable across updates, a version being
+read is never changed by the next, ScaNN's in-place upsert/delete returns what exact search over
+the live blocks returns, and every kind of bad change is one error naming its line with nothing
+written."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from realm_jax import sharding
+from realm_jax.corpus_errors import CorpusError
+from realm_jax.data import update, versions
+from realm_jax.index import scann as scann_index
+from realm_jax.index import store
+from realm_jax.qa import commands as qa_commands
+from realm_jax.qa.evaluation import FrozenIndex
+from tests.conftest import REPO
+from tests.support.runs import qa_config
+
+NEW = [
+    {
+        "id": "new-a",
+        "title": "Quellbrook",
+        "text": "Quellbrook is a town of weavers. It was founded in 1620 by river traders.",
+    },
+    {
+        "id": "new-b",
+        "title": "Orvanne Tesk",
+        "text": "Orvanne Tesk was a chemist born in Quellbrook in 1871. She studied salts.",
+    },
+]
+
+
+def _embed_all(cfg, tokens):
+    """Every row of a token table embedded with the warm start's document embedder, through
+    fine-tuning's own embedding pass (FrozenIndex.embed), not update's."""
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, params = qa_commands.initial_params(cfg, mesh)
+    _, emb = FrozenIndex.embed(mesh, model, params, tokens, 8)
+    return np.asarray(sharding.to_host(emb))[: len(tokens)]
+
+
+@pytest.fixture(scope="module")
+def work(qa_files, tmp_path_factory):
+    """A QA workdir with the frozen index fine-tuning publishes (the warm start's embedder)."""
+    root, ddir = qa_files
+    w = str(tmp_path_factory.mktemp("upd") / "w")
+    cfg = qa_config(root, ddir, "refresh.build_scann=true")
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, params = qa_commands.initial_params(cfg, mesh)
+    tokens = versions.open_view(cfg, w).blocks()[0]
+    qa_commands.frozen_index(cfg, w, mesh, model, params, tokens)
+    return cfg, w
+
+
+def _tree(w):
+    return sorted(os.path.relpath(os.path.join(d, f), w) for d, _, fs_ in os.walk(w) for f in fs_)
+
+
+def test_update_then_reads_follow(work, tmp_path):
+    cfg, w = work
+    v0 = versions.open_view(cfg, w)
+    n0 = len(v0)
+    docs0 = v0.docs()
+    victim, replaced = sorted(docs0)[0], sorted(docs0)[1]
+    title = v0.record(docs0[replaced][2][0])["title"].decode()
+    changes = [
+        update.Change("t:1", NEW[0]["id"], NEW[0]["title"], NEW[0]["text"]),
+        update.Change("t:2", replaced, title, "A replaced text about materialism and matter."),
+        update.Change("t:3", victim, delete=True),
+    ]
+    r = update.apply(cfg, w, changes, say=lambda s: None)
+    assert (r.added, r.replaced, r.deleted) == (1, 1, 1)
+    v1 = versions.open_view(cfg, w)
+    assert v1.version == r.version == 1
+    dead = set(docs0[victim][2]) | set(docs0[replaced][2])
+    # stable ids: old live rows keep their ids, dropped rows are gone, new rows come after
+    assert set(v1.rows) == (set(v0.rows) - dead) | set(range(n0, n0 + r.new_blocks))
+    assert list(v1.rows) == sorted(v1.rows)
+    assert v1.text(n0)[0] == "Quellbrook"
+    assert v1.text(docs0[victim][2][0]) == v0.text(docs0[victim][2][0])  # tombstone still reads
+    # the index equals the edited corpus embedded afresh, row for row
+    tokens, doc_ids, _ = v1.blocks()
+    emb = store.load_embeddings(store.latest_valid(v1.index_dir)[1])
+    np.testing.assert_allclose(emb, _embed_all(cfg, tokens), rtol=1e-4, atol=1e-5)
+    assert victim not in doc_ids and doc_ids.count(NEW[0]["id"]) >= 1
+    # the same changes again: nothing new; a prepared document given as it is: unchanged
+    assert update.apply(cfg, w, changes, say=lambda s: None).version == 1
+    keep = sorted(set(docs0) - {victim, replaced})[0]
+    recs = [v0.record(i) for i in docs0[keep][2]]
+    same = update.Change("t:1", keep, recs[0]["title"].decode(), "")
+    same.text = " ".join(x["text"].decode() for x in recs)
+    plan = update.diff(v1, [same])
+    assert (plan.unchanged, plan.new_blocks, plan.dead) == (1, [], [])
+    # a reader pinned to version 1 still reads it whole after version 2 is published
+    r2 = update.apply(
+        cfg,
+        w,
+        [update.Change("t:1", NEW[1]["id"], NEW[1]["title"], NEW[1]["text"])],
+        say=lambda s: None,
+    )
+    assert r2.version == 2
+    assert len(store.load_embeddings(store.latest_valid(v1.index_dir)[1])) == len(v1)
+    v2 = versions.open_view(cfg, w)
+    assert v2.num_rows == v1.num_rows + r2.new_blocks and v2.row(len(v2) - 1) == v1.num_rows
+    with pytest.raises(CorpusError, match="pre-trains over the prepared corpus only"):
+        versions.refuse_pretraining(w, "train")
+
+
+def test_scann_upsert_and_delete_match_exact_search():
+    """ScaNN's native delete/upsert on a loaded tree + AH searcher, through update's
+    bookkeeping of datapoint -> row: deleted rows never come back, an upserted row is its own
+    nearest neighbour, and a brute-force searcher updated the same way agrees with numpy."""
+    rng = np.random.default_rng(0)
+    db = rng.standard_normal((3000, 16)).astype(np.float32)
+    rows = np.arange(3000)
+    new = rng.standard_normal((40, 16)).astype(np.float32) * 3
+    dead = sorted(rng.choice(3000, 60, replace=False).tolist())
+    live = np.array([r for r in rows if r not in set(dead)] + list(range(3000, 3040)))
+    full = np.concatenate([db, new])
+    for params in ({"brute_force": True}, {"brute_force": False, "num_leaves": 20}):
+        s = scann_index.build_searcher(db, k=10, **params)
+        plan = update.Plan({}, dead, [type("B", (), {"block_id": 3000 + i}) for i in range(40)])
+        d = f"/tmp/scann-{os.getpid()}-{params['brute_force']}"
+        scann_index.save_searcher(s, d)
+
+        got, srows, mode, _ = _upsert(d, rows, plan, new, live)
+        assert mode == "upsert" and sorted(srows) == sorted(live)
+        q = np.concatenate([new[:5], rng.standard_normal((20, 16)).astype(np.float32)])
+        ids, _ = scann_index.search(got, q, 5)
+        found = srows[ids]
+        assert not np.isin(found, dead).any()
+        assert (found[:5, 0] == np.arange(3000, 3005)).all()  # an upserted row finds itself
+        if params["brute_force"]:
+            exact = live[np.argsort(-(q @ full[live].T), axis=1)[:, :5]]
+            assert (found == exact).all()
+
+
+def _upsert(sdir, rows, plan, new, live):
+    """update.update_searcher's upsert path on a searcher saved in sdir/scann."""
+    import shutil
+
+    parent = sdir + "-v"
+    os.makedirs(parent, exist_ok=True)
+    if os.path.exists(os.path.join(parent, "scann")):
+        shutil.rmtree(os.path.join(parent, "scann"))
+    shutil.move(sdir, os.path.join(parent, "scann"))
+    try:
+        return update.update_searcher(None, parent, rows, plan, new, None, live, 1.0, 0)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+BAD = [
+    ('{"id": "x", "title": "T", "text": "ok"\n', "malformed JSON"),
+    (
+        '{"id": "x", "title": "T", "text": "one"}\n{"id": "x", "title": "T", "text": "two"}\n',
+        "duplicate id 'x'",
+    ),
+    ('{"id": "nope-never", "delete": true}\n', "unknown id 'nope-never' to delete"),
+    ('{"id": "x", "title": "T", "text": "   "}\n', "empty text"),
+    ('{"id": "x", "title": "T", "text": "a\\u0000b"}\n', "binary text"),
+    ('{"id": "x", "delete": true, "text": "t"}\n', "a delete line with 'title' or 'text'"),
+    (b'{"id": "x", "title": "T", "text": "\xff\xfe"}\n', "invalid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("content,message", BAD, ids=[m.split()[0] for _, m in BAD])
+def test_bad_changes_are_one_error_and_change_nothing(work, tmp_path, content, message):
+    cfg, w = work
+    path = tmp_path / "changes.jsonl"
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    before = _tree(w)
+    with pytest.raises(CorpusError, match=message) as e:
+        update.apply(cfg, w, update.read_changes(str(path)), say=lambda s: None)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    assert "nothing was changed" in str(e.value)
+    assert _tree(w) == before
+
+
+def test_cli_bad_change_exit_2(work, tmp_path):
+    """Through the CLI: one line, exit 2, before anything is loaded."""
+    cfg, w = work
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"id": "a", "title": "T"}\n{"id": "b", "delete": "yes"}\n')
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "realm_jax",
+            "update",
+            "--workdir",
+            w,
+            "--corpus",
+            str(path),
+            "--config",
+            "configs/orqa.py:smoke",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in p.stderr.splitlines() if "error" in ln]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert lines == [lines[0]] and f"{path}:1: missing or non-string" in lines[0]
+    assert f"{path}:2: 'delete' must be true" in lines[0]
