@@ -332,6 +332,19 @@ CASES = (
         "is in use by another trainer",
         hold_lock=True,
     ),
+    # ---------------------------------------------------------------- update (issue 61)
+    Case(
+        "update_bad_lines",
+        "`update` CHANGES with a malformed line, a duplicate id and a delete line with text",
+        ("update", "--workdir", RUN, *ORQA, "--corpus", f"{TMP}/bad_changes.jsonl"),
+        "bad_changes.jsonl:2: malformed JSON",
+    ),
+    Case(
+        "update_binary_text",
+        "`update` CHANGES whose text is binary (NUL bytes)",
+        ("update", "--workdir", RUN, *ORQA, "--corpus", f"{TMP}/binary_changes.jsonl"),
+        "binary_changes.jsonl:1: binary text (NUL or control bytes)",
+    ),
     Case(
         "overwrite_trained_workdir",
         "`prepare --overwrite` of changed input under existing checkpoints and index",
@@ -358,6 +371,12 @@ def write_inputs(tmp: str) -> None:
         f.write('{"question": "who?", "answer": ["x"]}\n{"question": "who?", answer}\n')
     with open(os.path.join(tmp, "bad_trec.tsv"), "w") as f:
         f.write("1\tfactoid\tHow tall is Mount McKinley?\n")
+    with open(os.path.join(tmp, "bad_changes.jsonl"), "w") as f:
+        f.write(json.dumps({"id": "a", **good}) + "\n{id: 'b'}\n")
+        f.write(json.dumps({"id": "a", **good}) + "\n")
+        f.write(json.dumps({"id": "c", "delete": True, "text": "x"}) + "\n")
+    with open(os.path.join(tmp, "binary_changes.jsonl"), "w") as f:
+        f.write(json.dumps({"id": "a", "title": "T", "text": "\u0000\u0001\u0002 data"}) + "\n")
     pickled = os.path.join(tmp, "pickled_model")
     os.makedirs(pickled, exist_ok=True)
     with open(os.path.join(pickled, "config.json"), "w") as f:

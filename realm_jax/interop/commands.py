@@ -432,6 +432,15 @@ def _block_emb(workdir: str, dim: int) -> tuple[np.ndarray | None, str]:
 
 def export_command(config, args) -> int:
     workdir, out = args.workdir, args.out
+    from realm_jax.data import versions
+
+    found = versions.latest(workdir)
+    if found is not None:  # HF's block_emb row i is block_records row i: no tombstones there
+        raise versions.CorpusError(
+            f"{workdir}: its corpus was updated (corpus version {found[0]}); `export` writes "
+            "a prepared corpus's index and blocks row for row, which an updated corpus no "
+            "longer is: export the workdir before updating it, or re-prepare the edited corpus"
+        )
     if fs.is_remote(out):
         raise ValueError(f"--out {out}: give a local folder (copy it to gs:// afterwards)")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
