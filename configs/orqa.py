@@ -94,6 +94,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # supervised read on every question instead of the ~30% whose answer the dense top R
     # happens to hold (issue 22). Questions without a gold passage (NQ files) are unaffected.
     q.gold_in_beam = squad or own
+    # Fine-tuning that refreshes (issue 61; RAG-end2end's setting, not ORQA's, whose document
+    # embedder stays frozen): the document embedder trains too, through the retrieval scores
+    # of the reader_beam_size blocks read (re-embedded in the step from their tokens; the rest
+    # of the retriever beam keeps the index's scores), and the whole index is re-embedded and
+    # published every refresh_every steps (0: never; evaluate reads the newest version at or
+    # before its checkpoint's step).
+    q.train_doc_embedder = False
+    q.refresh_every = 100
     # the frozen index `finetune` publishes once serves `ask` and `evaluate` on the host
     c.refresh.build_scann = True  # with a ScaNN searcher (configs/realm.py: off for pre-training)
 

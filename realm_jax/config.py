@@ -330,6 +330,7 @@ RANGES = {
     "qa.bm25_weight": _at_least(0),
     "qa.hybrid_bm25_weight": _at_least(0),
     "qa.hybrid_pool": _at_least(1),
+    "qa.refresh_every": _at_least(0),
 }
 for _part in ("embedder", "reader"):
     for _field in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):

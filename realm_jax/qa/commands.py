@@ -18,7 +18,12 @@ from realm_jax import workdir as paths
 from realm_jax.data import datasets, pipeline, versions
 from realm_jax.index import store
 from realm_jax.index.ask import one_line
-from realm_jax.index.embedding import Progress, abstract_params, index_dtype
+from realm_jax.index.embedding import (
+    Progress,
+    abstract_params,
+    embed_blocks_in_parts_fn,
+    index_dtype,
+)
 from realm_jax.index.refresher import build_searcher
 from realm_jax.model.realm import realm_model
 from realm_jax.qa import data as qa_data
@@ -48,15 +53,21 @@ EVAL_CONSOLE_KEYS = ("exact_match", "recall@1", "recall@5", "recall@20")
 CHECKPOINTS = ("best", "latest", "initial")  # evaluate --checkpoint
 
 
-def frozen_index(config, workdir: str, mesh, model, params, tokens, view=None) -> FrozenIndex:
+def frozen_index(
+    config, workdir: str, mesh, model, params, tokens, view=None, at_most: int | None = None
+) -> FrozenIndex:
     """The fine-tuning run's frozen index: its published version if it has one (a resume),
     else every block embedded once with the initial document embedder and published (with a
     ScaNN searcher when refresh.build_scann), so `evaluate` and `ask` read the same index.
     view: the corpus version read (versions.View; its live blocks are `tokens`): an updated
-    workdir's index is that version's own, published by `update`."""
+    workdir's index is that version's own, published by `update`. at_most: the newest
+    version at or before this step (a refreshing fine-tuning's resume: the index its
+    checkpoint trained against)."""
     idir = paths.index_dir(workdir) if view is None else view.index_dir
     dim = config.model.proj_size
-    found = store.latest_valid(idir, expected_num_blocks=len(tokens), expected_dim=dim)
+    found = store.latest_valid(
+        idir, expected_num_blocks=len(tokens), expected_dim=dim, exclude=_after(idir, at_most)
+    )
     if found is not None:
         log.info("frozen index: %s", found[1])
         return FrozenIndex.put(mesh, store.load_embeddings(found[1]), tokens, index_dtype(config))
@@ -81,6 +92,41 @@ def frozen_index(config, workdir: str, mesh, model, params, tokens, view=None) -
         idir, 0, parts, len(tokens), dim, searcher_fn=searcher_fn, extra={"frozen": True}
     )
     return index
+
+
+def _after(index_dir: str, step: int | None) -> frozenset[int]:
+    """The index versions published after `step` (none when step is None)."""
+    if step is None:
+        return frozenset()
+    return frozenset(s for s in store.list_versions(index_dir) if s > step)
+
+
+def refresh_index(
+    config, workdir: str, mesh, model, params, index: FrozenIndex, step: int, view=None
+) -> None:
+    """qa.train_doc_embedder: every block embedded again with the current document embedder
+    into `index` (in place: the step and the dev evaluation read index.emb) and published as
+    index version `step`, as pre-training's in-process refresh does."""
+    t0 = time.perf_counter()
+    tokens_n = index.num_blocks
+    batch, dtype = config.refresh.embed_batch_size, index_dtype(config)
+    progress = Progress(log, f"the index at step {step}", tokens_n)
+    emb = embed_blocks_in_parts_fn(model, mesh, batch)(params, index.tokens, progress)
+    index.emb = emb.astype(dtype)
+    searcher_fn = None
+    if config.refresh.build_scann:
+        searcher_fn = lambda host: build_searcher(config, host)  # noqa: E731
+    idir = paths.index_dir(workdir) if view is None else view.index_dir
+    store.publish_rows(
+        idir,
+        step,
+        sharding.owned_row_shards(emb),
+        tokens_n,
+        config.model.proj_size,
+        searcher_fn=searcher_fn,
+        extra={"refreshed": True},
+    )
+    log.info("refreshed the index at step %d in %.1f s", step, time.perf_counter() - t0)
 
 
 def _train(config, workdir: str, stop_event: threading.Event | None = None) -> list[dict]:
@@ -118,7 +164,17 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
         (pipeline.iterator_save_args, pipeline.iterator_restore_args),
         fingerprint=fingerprint,
     )
-    index = frozen_index(config, workdir, mesh, model, state.params, tokens, view)
+    refreshing = bool(config.qa.get("train_doc_embedder", False))
+    index = frozen_index(
+        config,
+        workdir,
+        mesh,
+        model,
+        state.params,
+        tokens,
+        view,
+        at_most=start if refreshing else None,
+    )
     step_fn = qa_step.compile_train_step(config, mesh, model, optimizer, shardings, len(tokens))
     evaluate = None
     if dev:
@@ -133,10 +189,25 @@ def _train(config, workdir: str, stop_event: threading.Event | None = None) -> l
             metrics["best_step"] = float(best.best_step() or step)
             return metrics
 
+    every = int(config.qa.get("refresh_every", 0)) if refreshing else 0
+    before_step = waits = None
+    if every:
+
+        def waits(step: int) -> bool:
+            return step > start and step % every == 0
+
+        def before_step(step: int, state) -> dict:
+            if waits(step):
+                refresh_index(config, workdir, mesh, model, state.params, index, step, view)
+                return {"index_step": float(step)}
+            return {}
+
     task = loop.Task(
         name="qa",
         step=lambda s, b: step_fn(s, b, index.emb, index.tokens),
         evaluate=evaluate,
+        before_step=before_step,
+        before_step_waits=waits,
         console_keys=CONSOLE_KEYS,
         eval_console_keys=EVAL_CONSOLE_KEYS,
     )
@@ -267,6 +338,18 @@ def open_predictor(
     elif model:
         net, params, step, where = restore_reader(config, workdir, mesh, which)
         source = f"{where} checkpoint {step} of {workdir}"
+        if config.qa.get("train_doc_embedder", False):  # a refreshing run's index versions:
+            # the newest at or before the checkpoint, the one its query embedder trained with
+            found = (
+                store.latest_valid(
+                    view.index_dir,
+                    expected_num_blocks=len(tokens),
+                    expected_dim=config.model.proj_size,
+                    exclude=_after(view.index_dir, step),
+                )
+                or found
+            )
+            source += f", index version {found[0]}"
     else:
         net, params, source = realm_model(config.model), None, "no model (retrieval alone)"
     if index is None:

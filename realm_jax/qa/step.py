@@ -38,7 +38,7 @@ import optax
 from jax.sharding import Mesh
 
 from realm_jax import sharding
-from realm_jax.index.embedding import embed_query_tokens
+from realm_jax.index.embedding import embed_block_tokens, embed_query_tokens
 from realm_jax.model.inputs import (
     build_joint,
     check_fits,
@@ -55,6 +55,11 @@ from realm_jax.train.state import TrainState, create_sharded, guarded_update
 
 # The networks fine-tuning leaves as they are: the document embedder made the frozen index.
 FROZEN = ("doc_embedder",)
+
+
+def frozen_networks(config) -> tuple[str, ...]:
+    """FROZEN, or none when qa.train_doc_embedder (fine-tuning that refreshes, issue 61)."""
+    return () if config.qa.get("train_doc_embedder", False) else FROZEN
 
 
 def answer_starts(tokens, answers):
@@ -171,6 +176,7 @@ def qa_loss(
     num_valid,
     rng,
     gold_in_beam=False,
+    fresh=0,
     details=False,
 ):
     """ORQA's loss for a batch of questions; returns (loss, metrics). beams = (retriever beam
@@ -178,12 +184,23 @@ def qa_loss(
     takes the reader beam's last slot where retrieval missed it (insert_gold); the metrics
     then hold gold_in_beam_rate, the share of questions whose gold block was inserted.
     details: the metrics also hold read_ids / read_relevance [B, R] (the blocks read and their
-    retrieval logits) and query_emb [B, D], for inspection and tests (not for the loop's logs)."""
+    retrieval logits) and query_emb [B, D], for inspection and tests (not for the loop's logs).
+    fresh (qa.train_doc_embedder: the reader beam R): the top `fresh` retrieved blocks are
+    embedded again from their tokens with the current document embedder, their logits
+    q . e differentiable in both embedders (RAG-end2end's doc-encoder gradient); the rest of
+    the beam keeps the index's (stale) rows, as REALM's candidates between refreshes."""
     k, R = beams
     q_ids, answers = batch["question_ids"], batch["answer_ids"]
     ids, r_logits, q = retrieve(
         params, q_ids, index_emb, model=model, mesh=mesh, k=k, num_valid=num_valid, rng=rng
     )
+    if fresh:
+        F = min(int(fresh), k)
+        tok = mips.fetch_rows(mesh, index_tokens, ids[:, :F])  # [B, F, Lb]
+        B_, _, Lb = tok.shape
+        e = embed_block_tokens(model, params, tok.reshape(B_ * F, Lb), rng)
+        e = e.reshape(B_, F, -1)
+        r_logits = r_logits.at[:, :F].set(jnp.einsum("bd,bfd->bf", q, e.astype(q.dtype)))
     r_correct = block_has_answer(ids, answers, index_tokens, mesh=mesh)  # [B, k]
     read_ids, rel = ids[:, :R], r_logits[:, :R]
     if gold_in_beam:  # a deviation from ORQA (the module docstring); the retriever loss stays
@@ -218,8 +235,20 @@ def qa_loss(
     return metrics["loss"], metrics
 
 
-def train_step(state: TrainState, batch, index_emb, index_tokens, *, model, optimizer, seed, **kw):
-    """One optimizer step; returns (new state, metrics)."""
+def train_step(
+    state: TrainState,
+    batch,
+    index_emb,
+    index_tokens,
+    *,
+    model,
+    optimizer,
+    seed,
+    frozen=FROZEN,
+    **kw,
+):
+    """One optimizer step; returns (new state, metrics). frozen: the networks the optimizer
+    leaves as they are (frozen_networks), whose gradient norms are not logged."""
     rng = None
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -229,7 +258,7 @@ def train_step(state: TrainState, batch, index_emb, index_tokens, *, model, opti
     )
     new_state = guarded_update(state, grads, metrics, optimizer)
     for name in grads:
-        if name not in FROZEN:
+        if name not in frozen:
             metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     return new_state, metrics
 
@@ -248,6 +277,7 @@ def step_kwargs(config, mesh: Mesh, num_valid: int) -> dict:
         length=reader_len(config),
         num_valid=num_valid,
         gold_in_beam=bool(q.get("gold_in_beam", False)),
+        fresh=int(q.reader_beam_size) if q.get("train_doc_embedder", False) else 0,
     )
 
 
@@ -274,7 +304,7 @@ def state_parts(config):
     """(model, optimizer, init_params(rng) -> boxed params): all three networks (checkpoints
     look like pre-training's), the document embedder frozen by the optimizer."""
     model = realm_model(config.model)
-    optimizer = freeze_networks(make_optimizer(config.train), FROZEN)
+    optimizer = freeze_networks(make_optimizer(config.train), frozen_networks(config))
     d = config.data
     inputs = init_inputs(d.query_len, d.block_len, reader_len(config))
     return model, optimizer, lambda r: model.init(r, *inputs)["params"]
@@ -296,6 +326,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         model=model,
         optimizer=optimizer,
         seed=config.train.seed,
+        frozen=frozen_networks(config),
         **step_kwargs(config, mesh, num_valid),
     )
     rows = sharding.rows_sharding(mesh)

@@ -271,22 +271,6 @@ def _python_api(root, ddir, work):
     with pytest.raises(ValueError, match="retriever must be one of"):
         model.retrieve("x", retriever="nope")
 
-    # docs/python.md's examples, run as written on this workdir (its config recorded as the
-    # CLI records it, so load() needs no config argument)
-    from realm_jax import api
-
-    api.record_run_config(work, "configs/orqa.py:smoke", over)
-    with open(os.path.join(REPO, "docs", "python.md")) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    assert len(blocks) >= 4
-    namespace = {}
-    for code in blocks:
-        exec(
-            compile(code.replace('"runs/smoke-qa"', repr(work)), "docs/python.md", "exec"),
-            namespace,
-        )
-    assert namespace["a"].evidence and namespace["q"].shape == (2, namespace["b"].shape[1])
-
     # export writes HF's block_records.npy beside the index: row i = block i's text, read back
     # here with the allow-listed reader (never numpy's pickle loader)
     from realm_jax import cli
@@ -305,3 +289,24 @@ def _python_api(root, ddir, work):
         assert a.text == b.text and [h.block_id for h in a.evidence] == [
             h.block_id for h in b.evidence
         ]
+
+    # docs/python.md's examples, run as written on this workdir (its config recorded as the
+    # CLI records it, so load() needs no config argument)
+    from realm_jax import api
+
+    api.record_run_config(work, "configs/orqa.py:smoke", over)
+    with open(os.path.join(REPO, "docs", "python.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 4
+    namespace = {}
+    for code in blocks:
+        exec(
+            compile(code.replace('"runs/smoke-qa"', repr(work)), "docs/python.md", "exec"),
+            namespace,
+        )
+    assert namespace["a"].evidence and namespace["q"].shape == (2, namespace["b"].shape[1])
+    # its update example: the note added was retrieved, then deleted, never retrieved again
+    m, note = namespace["model"], namespace["note"]
+    assert namespace["hit"].text == note["text"] and m.corpus_version == 2
+    again = m.retrieve("When did the Ming dynasty end?", k=5, retriever="bm25")
+    assert note["text"] not in [h.text for h in again]
