@@ -329,6 +329,8 @@ def cleanup(workdir: str, keep: int = KEEP_INDEXES) -> list[str]:
             fs.rmtree(idx)
             removed.append(idx)
     if not fs.is_remote(root) and os.path.isdir(root):
+        from realm_jax.index.retention import _pid_alive  # the index's temp folders' rule
+
         for name in os.listdir(root):
             if not name.startswith(".tmp-"):
                 continue
@@ -340,13 +342,3 @@ def cleanup(workdir: str, keep: int = KEEP_INDEXES) -> list[str]:
                 fs.rmtree(os.path.join(root, name))
                 removed.append(os.path.join(root, name))
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
