@@ -7,6 +7,7 @@ read is never changed by the next, ScaNN's in-place upsert/delete returns what e
 the live blocks returns, and every kind of bad change is one error naming its line with nothing
 written."""
 
+import json
 import os
 
 import numpy as np
@@ -221,3 +222,23 @@ def test_fine_tuning_that_refreshes_trains_the_document_embedder(qa_files):
     assert float(optax.tree.norm(g0["doc_embedder"])) == 0.0
     assert float(optax.tree.norm(g1["doc_embedder"])) > 0.0
     assert qa_step.frozen_networks(cfg) == () and qa_step.frozen_networks(qa_config(root, ddir))
+
+
+def test_replace_all_diffs_a_whole_corpus_against_the_prepared_one(work, qa_files, tmp_path):
+    """--replace_all: the corpus the workdir was prepared from, one document edited and one
+    left out. The prepared documents (no raw text kept) are matched by their blocks, cut as
+    `prepare` cut them: everything else is unchanged."""
+    root, ddir = qa_files
+    cfg, w = work
+    with open(root / "corpus.jsonl") as f:
+        docs = [json.loads(line) for line in f]
+    docs[0]["text"] += " One sentence more."
+    gone = docs.pop(1)
+    path = tmp_path / "new.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    base = versions.View(w, ddir, 0, None)  # the prepared corpus (version 0)
+    changes, by_line = update.whole_corpus(str(path), base.docs().keys())
+    plan = update.diff(base, changes, by_line)
+    assert (plan.added, plan.replaced, plan.deleted) == (0, 1, 1)
+    assert plan.unchanged == len(docs) - 1
+    assert set(plan.dead) == set(base.docs()[gone["id"]][2]) | set(base.docs()[docs[0]["id"]][2])
