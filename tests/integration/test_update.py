@@ -89,6 +89,19 @@ def test_update_then_reads_follow(work, tmp_path):
     emb = store.load_embeddings(store.latest_valid(v1.index_dir)[1])
     np.testing.assert_allclose(emb, _embed_all(cfg, tokens), rtol=1e-4, atol=1e-5)
     assert victim not in doc_ids and doc_ids.count(NEW[0]["id"]) >= 1
+    # its ScaNN searcher (updated in place), read as `ask` reads it: datapoints mapped to
+    # block ids through scann_rows, the same top 5 as exact search over the live blocks
+    searcher = scann_index.load_searcher(
+        os.path.join(store.latest_valid(v1.index_dir)[1], store.SCANN_DIR)
+    )
+    # queries off the blocks' common direction (random-init embeddings nearly share one):
+    # scores then differ well above float32's resolution, so the order is not ties
+    c = emb.mean(0) / np.linalg.norm(emb.mean(0))
+    d = emb[[0, len(emb) // 2, len(emb) - 1]] - emb.mean(0)
+    q = (d - (d @ c)[:, None] * c[None]) * 100
+    ids, _ = scann_index.search(searcher, q, 5)
+    exact = v1.rows[np.argsort(-(q @ emb.T), axis=1, kind="stable")[:, :5]]
+    assert r.scann == "upsert" and (v1.scann_rows[ids] == exact).all()
     # the same changes again: nothing new; a prepared document given as it is: unchanged
     assert update.apply(cfg, w, changes, say=lambda s: None).version == 1
     keep = sorted(set(docs0) - {victim, replaced})[0]
