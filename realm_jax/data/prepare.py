@@ -398,10 +398,14 @@ def _source_in(tmp: str):
 
 
 def stale_outputs(run_dir: str) -> list[str]:
-    """The run's checkpoints/ and index/ folders that hold something: built from the data a
-    `prepare --overwrite` replaces (block ids, embeddings and masked examples change)."""
+    """The run's checkpoints/, index/ and corpus/ (`update`'s versions) folders that hold
+    something: built from the data a `prepare --overwrite` replaces (block ids, embeddings and
+    masked examples change)."""
+    from realm_jax.data import versions
+
     out = []
-    for folder in (workdir.checkpoint_dir(run_dir), workdir.index_dir(run_dir)):
+    folders = (workdir.checkpoint_dir(run_dir), workdir.index_dir(run_dir))
+    for folder in (*folders, versions.corpus_dir(run_dir)):
         if any(not n.startswith(".") for n in fs.listdir(folder)):
             out.append(folder)
     return out
