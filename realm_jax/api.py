@@ -209,7 +209,8 @@ class Model:
         it. Returns the counts and seconds (update.Result)."""
         import dataclasses
 
-        from realm_jax.data import update as update_lib
+        from realm_jax.index import update as update_lib
+        from realm_jax.qa.commands import initial_params
 
         changes = update_lib.api_changes(add, delete)
         share = (
@@ -219,6 +220,7 @@ class Model:
             self.config,
             self.workdir,
             changes,
+            initial=initial_params,
             source="realm_jax.Model.update",
             scann_rebuild_share=share,
             say=log.info,
@@ -473,4 +475,38 @@ def ask_command(config, args) -> int:
     if jax.process_index() == 0:  # several processes: each computes the same, one prints
         for title, text, score in hits:
             print(f"[{score:8.3f}] {one_line(title, 80)}: {one_line(text)}")
+    return 0
+
+
+def update_command(config, args) -> int:
+    """`realm-jax update --workdir W --corpus CHANGES [--replace_all]` (index/update.py): an
+    entry point, here so that the update (index/) stays below the tasks whose warm start it may
+    embed with (a fine-tuning run's frozen index: qa.commands.initial_params)."""
+    from realm_jax import fs
+    from realm_jax.corpus_errors import CorpusError
+    from realm_jax.data import versions
+    from realm_jax.index import update as update_lib
+    from realm_jax.qa.commands import initial_params
+
+    if not args.corpus:
+        raise CorpusError("give --corpus CHANGES.jsonl (or a whole corpus with --replace_all)")
+    if not 0.0 <= args.scann_rebuild_share <= 1.0:
+        raise CorpusError(
+            f"--scann_rebuild_share must be in [0, 1], got {args.scann_rebuild_share}"
+        )
+    fs.check_buckets([args.corpus])
+    if args.replace_all:
+        view = versions.open_view(config, args.workdir)
+        changes, by_line = update_lib.whole_corpus(args.corpus, view.docs().keys())
+    else:
+        changes, by_line = update_lib.read_changes(args.corpus), False
+    update_lib.apply(
+        config,
+        args.workdir,
+        changes,
+        initial=initial_params,
+        source=fs.abspath(args.corpus),
+        by_line=by_line,
+        scann_rebuild_share=args.scann_rebuild_share,
+    )
     return 0

@@ -45,7 +45,7 @@ ENTRY = {
     "import": "realm_jax.interop.commands:import_command",
     "export": "realm_jax.interop.commands:export_command",
     "world": "realm_jax.data.world:command",
-    "update": "realm_jax.data.update:command",
+    "update": "realm_jax.api:update_command",
 }
 # commands that write a workdir's data or networks: its config is recorded there
 # (run_record.RUN_CONFIG = api.RUN_CONFIG), and every command on the workdir reads it back

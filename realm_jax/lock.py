@@ -46,6 +46,17 @@ LEASE_SECONDS = 60.0  # an object-store lease not renewed for this long is free
 RENEW_SECONDS = 15.0  # how often its holder renews it
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        pass
+    return True
+
+
 class LockError(RuntimeError):
     """The workdir is held by another live process of the same role."""
 

@@ -44,6 +44,7 @@ import numpy as np
 from realm_jax import fs
 from realm_jax import workdir as paths
 from realm_jax.corpus_errors import CorpusError
+from realm_jax.lock import pid_alive
 
 log = logging.getLogger("realm_jax.corpus")
 
@@ -329,8 +330,6 @@ def cleanup(workdir: str, keep: int = KEEP_INDEXES) -> list[str]:
             fs.rmtree(idx)
             removed.append(idx)
     if not fs.is_remote(root) and os.path.isdir(root):
-        from realm_jax.index.retention import _pid_alive  # the index's temp folders' rule
-
         for name in os.listdir(root):
             if not name.startswith(".tmp-"):
                 continue
@@ -338,7 +337,7 @@ def cleanup(workdir: str, keep: int = KEEP_INDEXES) -> list[str]:
                 pid = int(name.split("-")[2])
             except (IndexError, ValueError):
                 continue
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 fs.rmtree(os.path.join(root, name))
                 removed.append(os.path.join(root, name))
     return removed

@@ -75,16 +75,6 @@ def leased_steps(index_dir: str, *, max_age: float | None = None) -> set[int]:
     return steps
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        pass
-    return True
-
-
 def _last_activity(path: str) -> float:
     """Newest mtime of a directory and its direct children (a writer touches them)."""
     times = [os.stat(path).st_mtime]
@@ -113,7 +103,7 @@ def _tmp_abandoned(path: str, pid: int, now: float) -> bool:
             host = json.load(f).get("host")
     except (OSError, ValueError, AttributeError):
         host = socket.gethostname() if idle > 60 else None
-    return host == socket.gethostname() and not _pid_alive(pid)
+    return host == socket.gethostname() and not pid_alive(pid)
 
 
 def _uncommitted_fresh(path: str, now: float) -> bool:

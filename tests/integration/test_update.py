@@ -15,9 +15,9 @@ import pytest
 
 from realm_jax import sharding
 from realm_jax.corpus_errors import CorpusError
-from realm_jax.data import update, versions
+from realm_jax.data import versions
 from realm_jax.index import scann as scann_index
-from realm_jax.index import store
+from realm_jax.index import store, update
 from realm_jax.qa import commands as qa_commands
 from realm_jax.qa.evaluation import FrozenIndex
 from tests.support.runs import qa_config
@@ -74,7 +74,7 @@ def test_update_then_reads_follow(work, tmp_path):
         update.Change("t:2", replaced, title, "A replaced text about materialism and matter."),
         update.Change("t:3", victim, delete=True),
     ]
-    r = update.apply(cfg, w, changes, say=lambda s: None)
+    r = update.apply(cfg, w, changes, say=lambda s: None, initial=qa_commands.initial_params)
     assert (r.added, r.replaced, r.deleted) == (1, 1, 1)
     v1 = versions.open_view(cfg, w)
     assert v1.version == r.version == 1
@@ -103,7 +103,12 @@ def test_update_then_reads_follow(work, tmp_path):
     exact = v1.rows[np.argsort(-(q @ emb.T), axis=1, kind="stable")[:, :5]]
     assert r.scann == "upsert" and (v1.scann_rows[ids] == exact).all()
     # the same changes again: nothing new; a prepared document given as it is: unchanged
-    assert update.apply(cfg, w, changes, say=lambda s: None).version == 1
+    assert (
+        update.apply(
+            cfg, w, changes, say=lambda s: None, initial=qa_commands.initial_params
+        ).version
+        == 1
+    )
     keep = sorted(set(docs0) - {victim, replaced})[0]
     recs = [v0.record(i) for i in docs0[keep][2]]
     same = update.Change("t:1", keep, recs[0]["title"].decode(), "")
@@ -116,6 +121,7 @@ def test_update_then_reads_follow(work, tmp_path):
         w,
         [update.Change("t:1", NEW[1]["id"], NEW[1]["title"], NEW[1]["text"])],
         say=lambda s: None,
+        initial=qa_commands.initial_params,
     )
     assert r2.version == 2
     assert len(store.load_embeddings(store.latest_valid(v1.index_dir)[1])) == len(v1)

@@ -292,8 +292,11 @@ def served_embedder(view: versions.View, index_manifest: dict) -> dict:
     return {"kind": "checkpoint", "step": int(index_manifest["step"])}
 
 
-def embedder_fn(config, workdir: str, embedder: dict):
-    """tokens [n, block_len] -> float32 [n, D] with that document embedder, on one device."""
+def embedder_fn(config, workdir: str, embedder: dict, initial=None):
+    """tokens [n, block_len] -> float32 [n, D] with that document embedder, on one device.
+    initial(config, mesh) -> (model, params of every network): the config's warm start (a
+    fine-tuning run's frozen index was embedded with it: qa.commands.initial_params, which the
+    entry points pass; this room is below the tasks')."""
     import jax
 
     from realm_jax import checkpoint, sharding
@@ -304,9 +307,11 @@ def embedder_fn(config, workdir: str, embedder: dict):
     mesh = sharding.inference_mesh(config.mesh, devices=jax.local_devices()[:1])
     name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
     if embedder["kind"] == "initial":
-        from realm_jax.qa.commands import initial_params
-
-        model, params = initial_params(config, mesh)
+        if initial is None:
+            raise ValueError(
+                "a frozen fine-tuning index: pass initial= (qa.commands.initial_params)"
+            )
+        model, params = initial(config, mesh)
         params = params[name]
     else:
         step = int(embedder["step"])
@@ -417,6 +422,7 @@ def apply(
     workdir: str,
     changes: list[Change],
     *,
+    initial=None,
     source: str = "",
     by_line=False,
     scann_rebuild_share: float = SCANN_REBUILD_SHARE,
@@ -464,7 +470,7 @@ def apply(
         t1 = time.perf_counter()
         new_emb = np.zeros((0, emb.shape[1]), np.float32)
         if plan.new_blocks:  # deletes alone embed nothing
-            embed = embedder_fn(config, workdir, embedder)
+            embed = embedder_fn(config, workdir, embedder, initial)
             check_embedder(embed, view, emb, embedder)
             L = view.block_len
             tokens = np.zeros((len(plan.new_blocks), L), np.int32)
@@ -638,29 +644,3 @@ def _publish(
         os.rename(folder, final)
         fs.fsync_dir(root)
     return k
-
-
-# ----------------------------------------------------------------------------- command
-def command(config, args) -> int:
-    """`realm-jax update --workdir W --corpus CHANGES [--replace_all]`."""
-    if not args.corpus:
-        raise CorpusError("give --corpus CHANGES.jsonl (or a whole corpus with --replace_all)")
-    fs.check_buckets([args.corpus])
-    if args.replace_all:
-        view = versions.open_view(config, args.workdir)
-        changes, by_line = whole_corpus(args.corpus, view.docs().keys())
-    else:
-        changes, by_line = read_changes(args.corpus), False
-    if not 0.0 <= args.scann_rebuild_share <= 1.0:
-        raise CorpusError(
-            f"--scann_rebuild_share must be in [0, 1], got {args.scann_rebuild_share}"
-        )
-    apply(
-        config,
-        args.workdir,
-        changes,
-        source=fs.abspath(args.corpus),
-        by_line=by_line,
-        scann_rebuild_share=args.scann_rebuild_share,
-    )
-    return 0
