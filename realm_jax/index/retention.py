@@ -28,6 +28,7 @@ from realm_jax.index.store import (
     log,
     version_name,
 )
+from realm_jax.lock import pid_alive
 
 LEASE_DIR = "in_use"
 TMP_MAX_AGE_S = 3600.0  # a temp dir with no activity for this long is abandoned on any host
