@@ -517,10 +517,10 @@ def _run(args, overrides: list[str]) -> int:
 
     fs.check_buckets([args.workdir, *fs.urls_in(config.to_dict())])  # every gs:// bucket named
     module, function = entry_point(args.command, config).split(":")
-    if args.command in ("train", "local", "refresh", "ict") and config.task != "qa":
-        from realm_jax.data import versions  # an updated corpus is not pre-trained on
+    if args.command == "ict":
+        from realm_jax.data import versions  # ICT reads the prepared corpus only
 
-        versions.refuse_pretraining(args.workdir, args.command)
+        versions.refuse_ict(args.workdir)
     from realm_jax import runtime
 
     runtime.setup(args)

@@ -524,7 +524,7 @@ def sharded_block_tokens(data_dir: str, mesh, with_titles: bool = False) -> RowS
     ranges = sorted({(i[0].start or 0, i[0].stop or shape[0]) for i in index_map.values()})
     local_titles = {} if with_titles else None
     parts = load_block_rows(data_dir, ranges, titles=local_titles)
-    parts = {r: _token_table(p) for r, p in parts.items()}
+    parts = {r: token_table(p) for r, p in parts.items()}
     array = jax.make_array_from_callback(
         shape, rows, lambda idx: parts[(idx[0].start or 0, idx[0].stop or shape[0])]
     )
@@ -532,7 +532,7 @@ def sharded_block_tokens(data_dir: str, mesh, with_titles: bool = False) -> RowS
     return RowShardedTokens(array, n, titles)
 
 
-def _token_table(ids: np.ndarray) -> np.ndarray:
+def token_table(ids: np.ndarray) -> np.ndarray:
     """A process's rows of the device token table in uint16 (2 bytes an id, as
     index/embedding.py token_dtype chooses for the bundled 30,522-word vocabulary): every
     process the same dtype, whatever its rows hold; an id past 65535 is an error, not a wrap."""
@@ -555,9 +555,11 @@ class TitleIds:
     a dict keyed by them on every host (13.35M titles at the paper's scale: about 1.5 GB of
     Python objects a host against 107 MB here; issue 58). `name(block)` reads one title back."""
 
-    def __init__(self, ids: np.ndarray, data_dir: str | None = None):
+    def __init__(self, ids: np.ndarray, data_dir: str | None = None, namer=None):
+        """namer(block) -> its title, where the blocks are not the prepared data's rows (an
+        updated corpus version's positions: versions.View); else read from `data_dir`."""
         self.ids = np.asarray(ids, np.int64)  # [N]
-        self.data_dir = data_dir
+        self.data_dir, self.namer = data_dir, namer
         uniq, first, inverse, counts = np.unique(
             self.ids, return_index=True, return_inverse=True, return_counts=True
         )
@@ -565,8 +567,8 @@ class TitleIds:
         self.count = counts[inverse].astype(np.float64)  # [N] blocks sharing each's title
 
     @classmethod
-    def of(cls, titles: list[str], data_dir: str | None = None) -> TitleIds:
-        return cls(np.asarray([title_hash(t) for t in titles], np.int64), data_dir)
+    def of(cls, titles: list[str], data_dir: str | None = None, namer=None) -> TitleIds:
+        return cls(np.asarray([title_hash(t) for t in titles], np.int64), data_dir, namer)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -579,8 +581,10 @@ class TitleIds:
 
     def name(self, block: int) -> str:
         """Block `block`'s title, read from the prepared data (for a message)."""
-        if self.data_dir is None or not 0 <= block < len(self.ids):
+        if not 0 <= block < len(self.ids) or (self.data_dir is None and self.namer is None):
             return "?"
+        if self.namer is not None:
+            return self.namer(block)
         return block_text(self.data_dir, block)[0]
 
 

@@ -82,6 +82,20 @@ def mask_record(
     return {**out, "block_id": np.int32(rec["block_id"])}
 
 
+ROW_KEYS = ("block_id", "extra_ids", "article_block")  # an example's fields naming blocks
+
+
+def to_positions(out: dict, positions: np.ndarray) -> dict:
+    """An example's block ids (prepared rows; -1 none) as positions of an updated corpus
+    version (versions.View.positions; -1 where the version no longer serves the block)."""
+    out = dict(out)
+    for key in ROW_KEYS:
+        if key in out:
+            v = np.asarray(out[key])
+            out[key] = np.where(v >= 0, positions[np.maximum(v, 0)], -1).astype(v.dtype)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSpan(grain.transforms.RandomMap):
     """Masks the example by `mask_mode` (data.mask_mode; default REALM's salient span), drawn
@@ -104,6 +118,10 @@ class MaskSpan(grain.transforms.RandomMap):
     # none when m = 0), and article_block, a block of its article holding that span (-1 none;
     # train.article_block_steps)
     extra: object = None  # SpanCandidates or None
+    # an updated corpus version's position of each prepared block id (versions.View.positions:
+    # -1 for a block it no longer serves): the example's own block, its second retriever's
+    # blocks and its article's block, all prepared rows, are read as positions in that version
+    positions: np.ndarray | None = None
 
     def __post_init__(self):
         masking.check_mask_mode(self.mask_mode)  # before any record is read
@@ -125,16 +143,22 @@ class MaskSpan(grain.transforms.RandomMap):
             if self.extra.article is not None:  # the copying curriculum's block for it
                 out["article_block"] = np.int32(self.extra.article[row])
         if self.gold_of is not None:
-            out["gold_block"] = np.int32(gold_block(rec, self.gold_of))
+            out["gold_block"] = np.int32(gold_block(rec, self.gold_of, self.positions))
+        if self.positions is not None:
+            out = to_positions(out, self.positions)
         if "example_id" in rec:  # host-side only: the loop takes it out before the device
             out["example_id"] = np.int64(rec["example_id"])
         return out
 
 
-def gold_block(rec: dict, gold_of: dict) -> int:
-    """An example's own block, else the first block of its document's title, else -1."""
-    if int(rec["block_id"]) >= 0:
-        return int(rec["block_id"])
+def gold_block(rec: dict, gold_of: dict, positions: np.ndarray | None = None) -> int:
+    """An example's own block, else the first block of its document's title (gold_of's
+    blocks: positions of the version read, when `positions` maps rows to them), else -1."""
+    own = int(rec["block_id"])
+    if own >= 0 and positions is not None:
+        own = int(positions[own])  # -1: an update deleted or replaced it
+    if own >= 0:
+        return own
     title = rec.get("title", b"")
     return int(gold_of.get(title.decode("utf-8") if isinstance(title, bytes) else title, -1))
 
@@ -292,6 +316,7 @@ def train_loader(
     num_epochs: int | None = None,
     gold_of: dict | None = None,
     extra=None,
+    positions: np.ndarray | None = None,
 ) -> grain.DataLoader:
     """A grain DataLoader of this process's share of masked-sentence batches.
 
@@ -301,6 +326,8 @@ def train_loader(
     b = global_batch_size / jax.process_count(). With gold_of (title -> block id), also
     gold_block [b] int32 (MaskSpan). With extra (data/span_candidates.SpanCandidates), also
     extra_ids [b, m] int32: a second retriever's blocks for the span masked (-1: none).
+    With positions (versions.View.positions), every block id is a position of that corpus
+    version (to_positions).
 
     On a gs:// data_dir the examples are read in place, record by record, as the batches
     want them (datasets.ShardedSource): no host copies the examples first. A process's rows
@@ -312,7 +339,7 @@ def train_loader(
     data = config.data
     # before the data is opened: an unknown data.mask_mode is a config error, not a data one
     mode = data.get("mask_mode", "salient")
-    mask = MaskSpan(data.query_len, data.max_predictions, mode, gold_of, extra)
+    mask = MaskSpan(data.query_len, data.max_predictions, mode, gold_of, extra, positions)
     return shuffled_batches(
         datasets.examples_source(data_dir),
         mask,
@@ -525,12 +552,13 @@ def iterator_restore_args(it) -> IteratorRestore:
     return IteratorRestore(it)
 
 
-def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
+def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int, positions=None):
     """The held-out examples as a fixed list of this process's batches (the same every
     evaluation: the first `max_examples` (all when <= 0), whole global batches only, each
     example masked by the run's data.eval_mask_mode, else data.mask_mode, with a generator
     seeded by its id). Each batch
-    also holds, host-side, its examples' document titles ("title", an object array)."""
+    also holds, host-side, its examples' document titles ("title", an object array). With
+    positions (versions.View.positions), block ids are that corpus version's positions."""
     source = datasets.examples_source(data_dir, "eval")
     n = len(source) if max_examples <= 0 else min(len(source), max_examples)
     b = local_batch_size(batch_size)
@@ -555,6 +583,8 @@ def eval_batches(config, data_dir: str, *, batch_size: int, max_examples: int):
             )
             for r in recs
         ]
+        if positions is not None:
+            ex = [to_positions(e, positions) for e in ex]
         batch = {k: np.stack([e[k] for e in ex]) for k in ex[0]}
         if "title" in recs[0]:  # host-side (the evaluator's title metrics), never on device
             batch["title"] = np.asarray([_text(r["title"]) for r in recs], dtype=object)

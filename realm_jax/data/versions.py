@@ -17,10 +17,12 @@ publishes ``<workdir>/corpus/v_<08d>/``, written in a ``.tmp-*`` folder and rena
   segment/        the blocks this version added (tokens.npy int32 [n, block_len] zero-padded,
                   blocks.jsonl.gz one {row, doc_id, title, text, sentence_starts} a line), when
                   it added any; later versions read them from here (never written again)
-  index/          an index store (index/store.py) with one version: the live rows'
+  index/          an index store (index/store.py), `update`'s version first: the live rows'
                   embeddings IN live.npy's ORDER (position p is row live[p]) and its ScaNN
                   searcher, whose datapoint d is row scann_rows.npy[d] (ScaNN's upsert/delete
-                  reorder datapoints)
+                  reorder datapoints). Pre-training's refresh job and a refreshing fine-tuning
+                  publish their later versions here, in the same order (not in the manifest's
+                  files: a corpus version's blocks never change, its index store grows)
 
 Every reader opens one View (open_view) and reads everything through it: its blocks, its
 index, its rows. A version never changes once committed, so a reader pinned to it is never
@@ -259,6 +261,35 @@ class View:
             out_n += [recs[i]["title"] for i in keep]
         return np.concatenate(out_t).astype(np.int32), out_d, out_n
 
+    def positions(self) -> np.ndarray | None:
+        """int32 [num_rows]: each block id's position in this version (-1: not served), what
+        a pre-training run maps its examples' own blocks through (their ids are the prepared
+        data's rows); None for the prepared data itself (position = row)."""
+        if self.manifest is None:
+            return None
+        out = np.full(self.num_rows, -1, np.int32)
+        out[self.rows] = np.arange(len(self.rows), dtype=np.int32)
+        return out
+
+    def device_tokens(self, mesh, with_titles: bool = False):
+        """The live blocks' token table row-sharded over `mesh` in position order
+        (datasets.RowShardedTokens), what pre-training and its refresh job embed and retrieve
+        from. The prepared data: each process reads only its own devices' rows
+        (datasets.sharded_block_tokens). An updated version: every process reads the whole
+        table (its segments are small files; at 13.35M blocks that is 7.7 GB a host in 16
+        bits, as a frozen fine-tuning index reads it)."""
+        from realm_jax import sharding
+        from realm_jax.data import datasets
+
+        if self.manifest is None:
+            return datasets.sharded_block_tokens(self.data_dir, mesh, with_titles=with_titles)
+        tokens, _, titles = self.blocks()
+        table = datasets.token_table(sharding.pad_rows(tokens, mesh))
+        ids = datasets.TitleIds.of(titles, namer=lambda p: self[p]["title"].decode())
+        return datasets.RowShardedTokens(
+            sharding.put_rows(table, mesh), len(tokens), ids if with_titles else None
+        )
+
     def docs(self) -> dict[str, list]:
         """{doc id: [raw sha256 or "", blocks sha256, [rows]]} of every live document."""
         if self.manifest is not None:
@@ -304,17 +335,18 @@ def is_updated(workdir: str) -> bool:
     return latest(workdir) is not None
 
 
-def refuse_pretraining(workdir: str, command: str) -> None:
-    """Pre-training and its refresh job read the prepared corpus only (row-sharded on device,
-    its size compiled into the step): on a workdir whose corpus was updated they would embed
-    and retrieve from blocks the update deleted. One line, before anything runs."""
+def refuse_ict(workdir: str) -> None:
+    """ICT reads the prepared corpus only (its examples are the prepared blocks' sentences
+    and its evaluation retrieves over every prepared block): on a workdir whose corpus was
+    updated it would train and score against blocks the update deleted. REALM pre-training
+    (`train`, `local`, `refresh`) reads the newest version (View.device_tokens). One line,
+    before anything runs."""
     found = latest(workdir) if fs.isdir(corpus_dir(workdir)) else None
     if found is not None:
         raise CorpusError(
             f"{workdir}: its corpus was updated (corpus version {found[0]}, {corpus_dir(workdir)}"
-            f"); `{command}` pre-trains over the prepared corpus only and would retrieve blocks "
-            "the update deleted: pre-train in a workdir of its own (`update` is for trained "
-            "workdirs, their `ask`, `evaluate` and fine-tuning)"
+            "); `ict` trains over the prepared corpus only and would retrieve blocks the update "
+            "deleted: run ICT (the warm start) in a workdir of its own, before REALM"
         )
 
 

@@ -23,7 +23,6 @@ each index it embeds on disk for a resume between two refreshes)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -54,8 +53,7 @@ MODES = ("external", "inprocess", "amortized")
 class NoRefreshJob(ConfigError):
     """`train` with refresh.mode=external and no refresh job: nothing would ever publish."""
 
-    def __init__(self, index_dir: str, grace: float):
-        workdir = os.path.dirname(index_dir.rstrip("/"))
+    def __init__(self, workdir: str, grace: float):
         super().__init__(
             f"no refresh job for {workdir}: refresh.mode=external and in {grace:.0f} s none "
             "published an index, reported progress or held the workdir's refresher lock. "
@@ -66,12 +64,12 @@ class NoRefreshJob(ConfigError):
         )
 
 
-def refresh_job_running(index_dir: str) -> bool:
+def refresh_job_running(workdir: str) -> bool:
     """Whether a refresh job holds the workdir's refresher lock (a local workdir; on an object
     store its progress reports are the sign)."""
     from realm_jax.lock import held_elsewhere
 
-    return held_elsewhere(os.path.dirname(index_dir.rstrip("/")), "refresher")
+    return held_elsewhere(workdir, "refresher")
 
 
 class IndexFeed:
@@ -85,14 +83,18 @@ class IndexFeed:
         model: RealmModel,
         tokens,
         owner: str = "trainer",
+        index_dir: str | None = None,
     ):
         """`tokens`: the block token table, the host array [N, Lb] (padded and put on the
         mesh here) or datasets.sharded_block_tokens(data_dir, mesh) (already row-sharded on
-        `mesh`, each host having read only its own rows)."""
+        `mesh`, each host having read only its own rows). index_dir: the index store read
+        and written (an updated workdir's corpus version's own: versions.View.index_dir;
+        default the workdir's)."""
         self.config, self.mesh, self.mode = config, mesh, config.refresh.mode
         if self.mode not in MODES:
             raise ValueError(f"refresh.mode must be one of {MODES}, got {self.mode!r}")
-        self.dir, self.owner = paths.index_dir(workdir), owner
+        self.workdir, self.owner = workdir, owner
+        self.dir = index_dir or paths.index_dir(workdir)
         self.num_blocks = tokens.shape[0]
         if getattr(tokens, "rows", None) is None:  # the host table: padded, put on the mesh
             _, tok = pad_index(None, tokens, mesh)
@@ -272,13 +274,13 @@ class IndexFeed:
                 last_sign = max(last_sign, min(progress["updated"], now))
             if not seen and jax.process_index() == 0:
                 seen = progress is not None and progress["updated"] > t0 - wait
-                seen = seen or refresh_job_running(self.dir)
+                seen = seen or refresh_job_running(self.workdir)
             verdict = 1 if now - last_sign > wait else 0
             if not seen and now - t0 > grace:
                 verdict = 2
             verdict = _process_0s(verdict)
             if verdict == 2:
-                raise NoRefreshJob(self.dir, grace)
+                raise NoRefreshJob(self.workdir, grace)
             if verdict:
                 raise TimeoutError(
                     f"no valid index in {self.dir} and no progress from a refresh job for "

@@ -45,9 +45,11 @@ def build_searcher(config, embeddings: np.ndarray):
 class Refresher:
     """The refresh job: exports or checkpoints in, published index versions out."""
 
-    def __init__(self, config, workdir: str, tokens, mesh=None):
+    def __init__(self, config, workdir: str, tokens, mesh=None, index_dir: str | None = None):
         """`tokens`: the host token table [N, Lb], or datasets.sharded_block_tokens(data_dir,
-        mesh) on the `mesh` given (each host read only its own rows: `command`)."""
+        mesh) on the `mesh` given (each host read only its own rows: `command`). index_dir:
+        where versions are published (an updated workdir's corpus version's own index store,
+        versions.View.index_dir; default the workdir's)."""
         self.config, self.workdir = config, workdir
         self.mesh = mesh or sharding.make_mesh(_all_devices_mesh(config))
         self.name = doc_embedder_name(ModelConfig.from_config(config.model, "embedder"))
@@ -67,7 +69,7 @@ class Refresher:
             self.embed_part = slice_embed_fn(
                 self.model, self.mesh, self.parts, config.refresh.embed_batch_size
             )
-        self.dir = paths.index_dir(workdir)
+        self.dir = index_dir or paths.index_dir(workdir)
         fs.makedirs(self.dir)
         self._damaged: dict[tuple[str, int], tuple] = {}  # (kind, step) -> folder that failed
 
@@ -309,27 +311,30 @@ def command(config, args) -> int:
 
     Holds the workdir's refresher lock (LockError when another refresh job holds it); the
     trainer's in-process refresh mode builds a Refresher without it (it is the trainer)."""
-    from realm_jax.data import datasets
+    from realm_jax.data import datasets, versions
 
     stop = threading.Event()
     stop_on_signals(stop)
     with workdir_lock(args.workdir, "refresher", enabled=jax.process_index() == 0):
         runtime.barrier("refresher-lock", LEASE_SECONDS + 60)  # after process 0 holds it
+        # the workdir's newest corpus version, as its trainer reads it (pretrain/commands.py):
+        # an updated workdir's index versions go to that version's own store
+        view = versions.open_view(config, args.workdir)
         if jax.process_index() == 0:  # a trainer waiting for its first index sees the job
             # alive while it loads the corpus (minutes at 13M blocks on a fresh slice)
             store.write_progress(
-                paths.index_dir(args.workdir), checkpoint=None, phase="loading the corpus",
-                since=time.time(),
+                view.index_dir, checkpoint=None, phase="loading the corpus", since=time.time(),
             )  # fmt: skip
-        # each host reads only the block rows of its own devices
         mesh = sharding.make_mesh(_all_devices_mesh(config))
-        ddir = paths.data_dir(config, args.workdir)
-        datasets.check_vocab(config, ddir)
-        tokens = datasets.sharded_block_tokens(ddir, mesh)
+        datasets.check_vocab(config, view.data_dir)
+        tokens = view.device_tokens(mesh)  # the prepared data: each host its own rows
+        log.info("refresh: %s", view)
         from realm_jax import watchdog
 
         # a job stuck while its JAX client keeps beating exits (75) for its supervisor to
         # restart; waiting for a checkpoint is not a stall (every poll beats)
         with watchdog.from_config(config.train, "refresh poll") as wd:
-            Refresher(config, args.workdir, tokens, mesh).run(stop, args.max_versions, wd)
+            Refresher(config, args.workdir, tokens, mesh, view.index_dir).run(
+                stop, args.max_versions, wd
+            )
     return 0

@@ -19,7 +19,9 @@ stored state: every reader builds it over its version's live blocks.
 Differences from a fresh `prepare` of the edited corpus, on purpose: block ids are stable (new
 blocks get new ids, never reused), so an edited corpus's blocks are numbered differently from a
 fresh prepare's, with the same contents and rankings; pre-training examples are not made for the
-new documents (pre-training on an updated workdir is refused, versions.refuse_pretraining).
+new documents: REALM pre-training on an updated workdir retrieves from, embeds and refreshes its
+newest version's blocks (new ones included) with the prepared sentences as its examples, and
+ICT there is refused (versions.refuse_ict).
 """
 
 from __future__ import annotations
@@ -282,10 +284,32 @@ def _index_manifest(index_path: str) -> dict:
     return json.loads(fs.read_bytes(fs.join(index_path, "manifest.json")))
 
 
+def _refuse_while_pretraining(config, workdir: str) -> None:
+    """A pre-training run (its trainer or refresh job) reads one corpus version from its start
+    to its end, the block count compiled into its step: a version published under it would
+    not reach it, and a restarted refresh job would embed the new one for a trainer still on
+    the old. A fine-tuning run pins its version too, and may go on (a frozen index)."""
+    from realm_jax.lock import held_elsewhere
+
+    if config.get("task", "") != "realm":
+        return
+    for role in ("trainer", "refresher"):
+        if held_elsewhere(workdir, role):
+            raise CorpusError(
+                f"{workdir}: a pre-training {role} is running here: stop it (its checkpoint is "
+                "kept), run `update`, then resume; the resumed run reads the new version"
+            )
+
+
 def served_embedder(view: versions.View, index_manifest: dict) -> dict:
     """Which document embedder made the view's index: {"kind": "initial"} (a fine-tuning
-    run's frozen index: the config's warm start) or {"kind": "checkpoint", "step": N}."""
-    if view.manifest is not None:
+    run's frozen index: the config's warm start) or {"kind": "checkpoint", "step": N}. A
+    version's own index (its step the manifest's index_step) was made by the manifest's
+    embedder; a later one in its store by the checkpoint of its step (pre-training's refresh
+    job, a refreshing fine-tuning)."""
+    if view.manifest is not None and int(index_manifest["step"]) == int(
+        view.manifest.get("index_step", -1)
+    ):
         return dict(view.manifest["embedder"])
     if index_manifest.get("frozen") and not index_manifest.get("imported_from"):
         return {"kind": "initial"}
@@ -435,6 +459,7 @@ def apply(
     t = {}
     t0 = time.perf_counter()
     with workdir_lock(workdir, "update"):
+        _refuse_while_pretraining(config, workdir)
         view = versions.open_view(config, workdir)
         found = store.latest_valid(view.index_dir)
         if found is None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from realm_jax import checkpoint, fs, runtime, sharding
 from realm_jax import workdir as paths
 from realm_jax.config import ConfigError
-from realm_jax.data import datasets, pipeline
+from realm_jax.data import datasets, pipeline, versions
 from realm_jax.index import bm25_candidates
 from realm_jax.index.feed import IndexFeed
 from realm_jax.lock import workdir_lock
@@ -51,18 +51,24 @@ def _train(
     curriculum = int(tc.get("own_block_steps", 0)) > 0
     separate = bool(config.data.get("sentences", ""))  # a separate text: documents by title
     with_titles = tc.eval_every > 0 or curriculum or separate
-    tokens = datasets.sharded_block_tokens(ddir, mesh, with_titles=with_titles)
+    # the workdir's newest corpus version (`update`'s; the prepared data when there is none):
+    # its live blocks, in position order, are the blocks retrieved, embedded and refreshed;
+    # the examples (prepared sentences) name their blocks by prepared row, mapped to positions
+    view = versions.open_view(config, workdir)
+    tokens = view.device_tokens(mesh, with_titles=with_titles)
+    positions = view.positions()
     titles = tokens.titles
     if tc.eval_every > 0:
         sharding.check_batch(tc.eval_batch_size, mesh, "train.eval_batch_size")
     extra_m = int(tc.get("bm25_candidates", 0))
     check_candidates(tc.num_candidates, tokens.shape[0], mesh, extra_m)
     log.info(
-        "mesh %s over %d devices (%d processes); %d blocks",
+        "mesh %s over %d devices (%d processes); %d blocks (%s)",
         dict(mesh.shape),
         mesh.devices.size,
         jax.process_count(),
         tokens.shape[0],
+        view,
     )
     # Everything that can refuse the data (too few examples for a batch) before the first
     # checkpoint is written.
@@ -80,11 +86,16 @@ def _train(
         seed=config.data.seed,
         gold_of=gold_of,
         extra=extra,
+        positions=positions,
     )
     eval_batches = None
     if tc.eval_every > 0 and datasets.has_held_out(ddir, "held-out evaluation (train.eval_every)"):
         eval_batches = pipeline.eval_batches(
-            config, ddir, batch_size=tc.eval_batch_size, max_examples=tc.eval_examples
+            config,
+            ddir,
+            batch_size=tc.eval_batch_size,
+            max_examples=tc.eval_examples,
+            positions=positions,
         )
     mgr = checkpoint.manager(workdir, keep=tc.keep_checkpoints)
     hook = None if mgr.all_steps() else params_hook(config)  # a resume restores the weights
@@ -101,7 +112,7 @@ def _train(
         fingerprint=loop.fingerprint(config, ddir),
     )
     export = _embedder_export(config, workdir, start)  # before a stale export is read
-    feed = IndexFeed(config, workdir, mesh, model, tokens)
+    feed = IndexFeed(config, workdir, mesh, model, tokens, index_dir=view.index_dir)
     feed.start(state.params, start, health, no_job_grace)
     step_fn = pretrain_step.compile_train_step(
         config, mesh, model, optimizer, shardings, feed.num_blocks

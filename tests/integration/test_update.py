@@ -127,8 +127,8 @@ def test_update_then_reads_follow(work, tmp_path):
     assert len(store.load_embeddings(store.latest_valid(v1.index_dir)[1])) == len(v1)
     v2 = versions.open_view(cfg, w)
     assert v2.num_rows == v1.num_rows + r2.new_blocks and v2.row(len(v2) - 1) == v1.num_rows
-    with pytest.raises(CorpusError, match="pre-trains over the prepared corpus only"):
-        versions.refuse_pretraining(w, "train")
+    with pytest.raises(CorpusError, match="trains over the prepared corpus only"):
+        versions.refuse_ict(w)
 
 
 def test_scann_upsert_and_delete_match_exact_search():
