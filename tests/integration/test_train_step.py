@@ -1043,6 +1043,7 @@ def test_inbatch_negatives_loss_is_the_prior_over_the_batch_computed_by_hand(set
     assert np.mean(mass) > 0.01  # the other blocks hold a real share of the prior
 
 
+@pytest.mark.system  # three step compiles (off by default); CI: the loss by hand (above)
 def test_inbatch_negatives_in_the_compiled_step_one_pass_and_accumulated():
     """train.inbatch_negatives through compile_train_step on the sharded mesh: one pass gives
     realm_loss(inbatch=True)'s loss (checked against numpy above); with grad_accum=2 each
@@ -1126,6 +1127,7 @@ def test_imitation_term_is_the_softmax_over_the_batch_candidates_computed_by_han
     assert float(pos_loss) < float(got_loss)  # fewer columns
 
 
+@pytest.mark.system  # three gradients and a compile (off by default); CI: the term by hand
 def test_imitation_weight_adds_its_gradient_and_its_control_stops_realms(setup):
     """realm_loss with imitation_weight w: REALM's loss plus w times the term, so the
     embedders' gradient is REALM's plus w times the term's; with retriever_grad=False (the
