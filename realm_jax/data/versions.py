@@ -285,10 +285,10 @@ class View:
             return datasets.sharded_block_tokens(self.data_dir, mesh, with_titles=with_titles)
         tokens, _, titles = self.blocks()
         table = datasets.token_table(sharding.pad_rows(tokens, mesh))
-        ids = datasets.TitleIds.of(titles, namer=lambda p: self[p]["title"].decode())
-        return datasets.RowShardedTokens(
-            sharding.put_rows(table, mesh), len(tokens), ids if with_titles else None
-        )
+        ids = None
+        if with_titles:
+            ids = datasets.TitleIds.of(titles, namer=lambda p: self[p]["title"].decode())
+        return datasets.RowShardedTokens(sharding.put_rows(table, mesh), len(tokens), ids)
 
     def docs(self) -> dict[str, list]:
         """{doc id: [raw sha256 or "", blocks sha256, [rows]]} of every live document."""

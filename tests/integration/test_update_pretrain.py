@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from realm_jax import sharding
 from realm_jax import workdir as paths
 from realm_jax.corpus_errors import CorpusError
 from realm_jax.data import versions
@@ -83,6 +84,18 @@ def test_pretraining_reads_and_refreshes_the_updated_corpus(data_dir, tmp_path):
     assert set(int(x) for x in v1.rows) == (set(range(n0)) - set(docs0[victim][2])) | set(
         range(n0, n0 + r.new_blocks)
     )
+    # the device table the trainer retrieves from: the live blocks in position order, and
+    # their titles by position (the held-out evaluation's and the curriculum's)
+    mesh = sharding.make_mesh(cfg.mesh)
+    table = v1.device_tokens(mesh, with_titles=True)
+    live = [v1[p] for p in range(len(v1))]
+    want = np.zeros((len(v1), v1.block_len), np.int64)
+    for p, rec in enumerate(live):
+        want[p, : len(rec["token_ids"])] = rec["token_ids"]
+    np.testing.assert_array_equal(np.asarray(sharding.to_host(table.rows))[: len(v1)], want)
+    first_new = next(p for p, rec in enumerate(live) if rec["doc_id"] == b"new-a")
+    assert table.titles.get("Quellbrook") == first_new
+    assert table.titles.name(first_new) == "Quellbrook" and table.shape[0] == len(v1)
     # the version's own index: update's, from the index it read (step 4's embedder)
     assert store.list_versions(v1.index_dir) == [4]
     with pytest.raises(CorpusError, match="ict. trains over the prepared corpus only"):
