@@ -4,17 +4,20 @@
 
     python benchmarks/scann_update.py [--workdir runs/update_cost/qa] [--shares 1,5,10,25,50]
 
-Real embeddings: the frozen index benchmarks/update_cost.py published for SQuAD's paragraphs
-(all-MiniLM-L6-v2's document embedder, unit vectors of 384 floats). Its rows are split by
-article: the base (the index a searcher is built on) and a pool of other articles' rows, the
-documents an update adds, at least half the base's size. Queries: --queries SQuAD questions
-(sampled with --seed) embedded with the same warm start's query embedder.
+Real embeddings: a QA workdir's frozen index over SQuAD's paragraphs, by default the one
+benchmarks/update_cost.py published (all-MiniLM-L6-v2's document embedder, unit vectors of 384
+floats); any fine-tuning workdir on SQuAD's data serves (--workdir; the doc names its
+embedder). Its rows are split by article: the base (the index a searcher is built on) and a
+pool of other articles' rows, the documents an update adds, at least half the base's size.
+Queries: --queries SQuAD questions (sampled with --seed) embedded with the same warm start's
+query embedder.
 
 For each share s of the base's rows and each way new vectors come:
   new    s of the base's rows deleted and as many rows of the pool's articles upserted (new
          documents on new topics: vectors the searcher's partitions and codebooks never saw);
-  edit   s of the rows deleted and each upserted again as its vector moved: v + 0.3 |v| g / |g|
-         (g Gaussian), renormalised, cosine about 0.96 to the old one (a document edited);
+  edit   s of the rows deleted and each upserted again as its vector moved: v + 0.3 |v| d / |d|
+         (d a random pool row's component orthogonal to v), rescaled to |v|: cosine about 0.96
+         to the old one (a document edited);
 (i) the base's searcher, saved and changed by update.update_searcher (what `update` runs below
 the threshold: ScaNN's load, its native delete of the dead rows' datapoints, then upsert of
 the new rows, and the datapoint -> row map it keeps), against (ii) a searcher built on the
@@ -100,6 +103,16 @@ def query_vectors(config, questions: str, n: int, seed: int, cache: str) -> np.n
     return q
 
 
+def embedder_name(config) -> str:
+    """What made the workdir's frozen index: its warm start's document embedder."""
+    m = config.model
+    if m.get("init_retriever_from", ""):
+        return f"{m.init_retriever_from}'s vectors"
+    if m.get("init_embedders_from_ict", ""):
+        return f"the ICT run {m.init_embedders_from_ict}'s {int(m.proj_size)}-d vectors"
+    return "its warm start's vectors"
+
+
 def exact_top(q: np.ndarray, emb: np.ndarray, rows: np.ndarray) -> np.ndarray:
     s = q @ emb.T
     top = np.argpartition(-s, K, axis=1)[:, :K]
@@ -157,11 +170,18 @@ def split(doc_ids: list[str], titles: list[str], share: float, seed: int):
     return np.asarray(base), np.asarray(sorted(pool))
 
 
-def edited(v: np.ndarray, rng) -> np.ndarray:
-    g = rng.standard_normal(v.shape).astype(np.float32)
-    g *= 0.3 * np.linalg.norm(v, axis=1, keepdims=True) / np.linalg.norm(g, axis=1, keepdims=True)
-    w = v + g
-    return (w / np.linalg.norm(w, axis=1, keepdims=True)).astype(np.float32)
+def edited(v: np.ndarray, rng, pool: np.ndarray) -> np.ndarray:
+    """Each vector moved to cosine about 0.96 of itself (0.3 |v| along a direction
+    orthogonal to it), its norm kept. The direction is a random pool row's component
+    orthogonal to v: it stays in the span the embedder's vectors fill (a Gaussian direction
+    leaves it, which an index of anisotropic vectors such as ICT's cannot quantise: not what an
+    edited document's embedding does)."""
+    u = pool[rng.integers(0, len(pool), len(v))].astype(np.float64)
+    vh = v / np.linalg.norm(v, axis=1, keepdims=True)
+    d = u - np.sum(u * vh, axis=1, keepdims=True) * vh
+    norm = np.linalg.norm(v, axis=1, keepdims=True)
+    w = v + 0.3 * norm * d / np.linalg.norm(d, axis=1, keepdims=True)
+    return (w * norm / np.linalg.norm(w, axis=1, keepdims=True)).astype(np.float32)
 
 
 def change(config, parent: str, parent_rows, live, emb, dead, new_emb, next_row):
@@ -247,6 +267,7 @@ def main() -> int:
         "machine": machine(),
         "argv": " ".join(sys.argv[1:]),
         "index": found[1],
+        "embedder": embedder_name(config),
         "rows": len(all_emb),
         "dim": int(all_emb.shape[1]),
         "base_rows": n,
@@ -274,7 +295,7 @@ def main() -> int:
             for s in shares:
                 m = round(s * n)
                 dead = np.sort(rng.choice(n, m, replace=False))
-                new_emb = pool[:m] if mode == "new" else edited(emb0[dead], rng)
+                new_emb = pool[:m] if mode == "new" else edited(emb0[dead], rng, pool)
                 searcher, rows_map, live, emb, up_s = change(
                     config, parent, live0, live0, emb0, dead, new_emb, n
                 )
@@ -345,11 +366,13 @@ def main() -> int:
 def body(res: dict) -> str:
     """The ScaNN part of the doc section."""
     p = res["params"]
+    index = os.path.relpath(res["index"], REPO)
     lines = [
         f"`python benchmarks/scann_update.py{(' ' + res['argv']) if res['argv'] else ''}`, "
         f"measured {res['measured']} (load average {res['load_start']} at the start, "
-        f"{res['load_end']} at the end). The index above ({res['rows']:,} rows x {res['dim']}, "
-        f"all-MiniLM-L6-v2's unit vectors) split by article: a base of {res['base_rows']:,} rows "
+        f"{res['load_end']} at the end). The frozen index of {index} ({res['rows']:,} "
+        f"rows x {res['dim']}, {res.get('embedder', 'all-MiniLM-L6-v2')}) split by article: a "
+        f"base of {res['base_rows']:,} rows "
         f"({res['base_articles']} articles) the searcher is built on, and {res['pool_rows']:,} "
         f"rows of {res['pool_articles']} other articles that updates add. The searcher: the "
         f"config's parameters (index/refresher.build_searcher: {p['num_leaves']} leaves, "
@@ -361,8 +384,9 @@ def body(res: dict) -> str:
         "",
         "A change of share s deletes s of the base's rows and adds as many: `new`, rows of the "
         "held-out articles (new documents on topics the searcher's partitions and codebooks "
-        "never saw); `edit`, each deleted row again with its vector moved (v + 0.3 |v| g/|g|, g "
-        "Gaussian, renormalised: cosine about 0.96). Upsert: the base's searcher saved, then "
+        "never saw); `edit`, each deleted row again with its vector moved (v + 0.3 |v| d/|d|, "
+        "d a random other row's component orthogonal to v, rescaled to |v|: cosine about "
+        "0.96). Upsert: the base's searcher saved, then "
         "`update.update_searcher` (ScaNN's load, native delete, native upsert, batch 256: what "
         "`update` runs below `--scann_rebuild_share`); rebuild: `build_searcher` on the changed "
         "rows (what it runs above). self@1: the share of 500 live rows found first by their own "

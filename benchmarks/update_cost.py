@@ -644,6 +644,8 @@ def write_doc() -> None:
     parts = []
     if os.path.exists(COST_JSON):
         cost = json.load(open(COST_JSON))
+        if "scale" in cost:  # derived from the measurements: always as the code derives it
+            cost["projection"] = projection(cost)
         parts.append(
             "### Cost: `update` against preparing and embedding again\n\n"
             + cost_body(cost, cost.get("argv", ""))
