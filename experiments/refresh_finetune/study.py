@@ -90,6 +90,37 @@ def scores(records: list[dict]) -> dict[str, list[bool]]:
     }
 
 
+def collapse(a) -> list[str]:
+    """Where the refresh arm's signal goes: per seed and index version, the mean cosine of a
+    block's embedding to the mean embedding (1.0: every block in one direction)."""
+    import numpy as np
+
+    from realm_jax.index import store
+
+    lines = []
+    for s in a.seeds:
+        d = os.path.join(a.root, f"refresh-s{s}", "index")
+        if not os.path.isdir(d):
+            continue
+        cells = []
+        for v in store.list_versions(d):
+            e = np.asarray(store.load_embeddings(os.path.join(d, store.version_name(v))))
+            m = e.mean(0)
+            cos = (e @ m) / (np.linalg.norm(e, axis=1) * np.linalg.norm(m))
+            cells.append(f"step {v}: {cos.mean():.3f}")
+        lines.append(f"| {s} | " + ", ".join(cells) + " |")
+    if not lines:
+        return []
+    return [
+        "**The refresh arm's index** (mean cosine of a block to the mean block, per version)",
+        "",
+        "| seed | versions |",
+        "|---|---|",
+        *lines,
+        "",
+    ]
+
+
 def report(a) -> str:
     got = {}
     for arm in a.arms:
@@ -135,6 +166,8 @@ def report(a) -> str:
                 f"{gained} gained, {lost} lost (sign test p = {sign_test(gained, lost):.3g}).",
             ]
         lines.append("")
+    if "refresh" in a.arms:
+        lines += collapse(a)
     return "\n".join(lines)
 
 
