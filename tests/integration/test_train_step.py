@@ -424,7 +424,6 @@ def test_same_loss_on_one_device_and_the_mesh(setup, sharded_step):
     np.testing.assert_allclose(metrics["loss"], sharded_step["loss"], rtol=1e-5)
 
 
-@pytest.mark.system  # two step compiles; CI: the weighting test
 def index_and_loss(config, mesh, model, **kw):
     """(blocks' embeddings, tokens, the index on the mesh, realm_loss with the config's
     candidates, lengths and vocab chunk; kw: more of its arguments)."""
@@ -437,6 +436,7 @@ def index_and_loss(config, mesh, model, **kw):
     return emb, tokens, index, loss_fn
 
 
+@pytest.mark.system  # two step compiles; CI: the weighting test (below)
 def test_gradient_accumulation_gives_the_whole_batch_gradient():
     """train.grad_accum=2 (pretrain/step.py accumulated_grads) against one pass over the same
     16 sentences on the sharded mesh: the same gradient, metrics and update. The two
