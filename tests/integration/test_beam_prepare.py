@@ -331,6 +331,7 @@ def gcs(tmp_path_factory):
         yield server
 
 
+@pytest.mark.system  # a fake GCS server and a Beam pipeline; CI: gz locally, prepare on gs://
 def test_gz_inputs_on_gcs(gcs, tmp_path):
     """gs:// .gz inputs (corpus and text): streamed through gzip from realm_jax.fs in process,
     and staged by Beam's own gs:// file system (a worker's read on Dataflow); the records

@@ -229,7 +229,16 @@ def test_marginal_loss_hand_computed():
 
 @pytest.mark.parametrize(
     "chunk, mesh_shape",
-    [(0, None), (7, None), (16, None), (64, None), (7, (2, 2)), (16, (1, 4)), (0, (4, 1))],
+    [
+        (0, None),
+        (7, None),
+        (7, (2, 2)),
+        (16, (1, 4)),
+        # the same paths at other chunk sizes and mesh shapes: the system tier
+        pytest.param(16, None, marks=pytest.mark.system),
+        pytest.param(64, None, marks=pytest.mark.system),
+        pytest.param(0, (4, 1), marks=pytest.mark.system),
+    ],
 )
 def test_fused_marginal_loss_matches_materialised_logits(chunk, mesh_shape):
     """The chunked MLM softmax (never holding [B, K, P, V]) against marginal_loss on dense
