@@ -434,7 +434,9 @@ def _world(c: ml_collections.ConfigDict) -> None:
     w.entities = 500  # people the pre-training text tells about (each one knowledge document)
     w.distractors = 500  # people with a knowledge document the text never mentions
     w.sentences_per_entity = 3  # pre-training sentences per person, one fact each
-    w.mention = "name"  # how a sentence names its person: "name" or "attributes" (no name)
+    # how a sentence names its person: "name", "attributes" (two other attributes, no name)
+    # or "described" (as attributes, the profession in other words: BM25 misses)
+    w.mention = "name"
     w.seed = 0  # the world's seed: the same seed, the same files
     w.shards = 2  # TFRecord shards of the pre-training text
     # "words": two ordinary vocab words ("Harbor Quill"), which bert-tiny's embeddings tell

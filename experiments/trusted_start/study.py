@@ -56,6 +56,7 @@ from experiments.tools.cli_runs import chosen_arms, done, run  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 REALM, ICT, ORQA = "configs/realm.py:world", "configs/ict.py:world", "configs/orqa.py:squad"
 ARMS = ("start", "realm", "ict", "ict_lr", "imitation")
+FOLDER = {"attributes": "attr", "described": "desc"}  # --root/<folder>-s<seed>, by world.mention
 KS = (1, 5)
 
 
@@ -121,7 +122,7 @@ def world(a) -> int:
     seeds = [int(s) for s in a.seeds.split(",")]
     results = {}  # (seed, arm) -> {recall@k: value}
     for seed in seeds:
-        root = os.path.join(REPO, a.root, f"attr-s{seed}")
+        root = os.path.join(REPO, a.root, f"{FOLDER[a.mention]}-s{seed}")
         os.makedirs(root, exist_ok=True)
         w, data = os.path.join(root, "world"), os.path.join(root, "data")
         paths = [
@@ -132,7 +133,7 @@ def world(a) -> int:
             f"--config.train.seed={seed}",
         ]
         if not os.path.exists(os.path.join(w, "world.json")):
-            shape = ["--config.world.mention=attributes", f"--config.world.seed={seed}"]
+            shape = [f"--config.world.mention={a.mention}", f"--config.world.seed={seed}"]
             run(["world", "--config", REALM, "--workdir", w, *shape], f"{root}/world.log")
         if not os.path.exists(os.path.join(data, "summary.json")):
             run(["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log")
@@ -205,7 +206,7 @@ def world(a) -> int:
         + (f" --realm_step {a.realm_step}" if a.realm_step >= 0 else "")
         + (" --partial`" if a.partial else "`")
         + ": "
-        f"the attributes world of `{REALM}` (`--config.world.mention=attributes`), each seed its "
+        f"the {a.mention} world of `{REALM}` (`--config.world.mention={a.mention}`), each seed its "
         "own world; 256 held-out people's masked sentences, recall@k of the masked fact's own "
         "document; the trusted start is all-MiniLM-L6-v2 (`model.init_retriever_from`)"
         + (
@@ -220,9 +221,11 @@ def world(a) -> int:
         + "\n\n"
         + "\n".join(f"- {d}" for d in diffs)
     )
-    write_section(f"Attributes world, seeds {a.seeds}: {a.arms}", body, doc=RESULTS)
+    title = f"{a.mention.capitalize()} world, seeds {a.seeds}: {a.arms}"
+    write_section(title, body, doc=RESULTS)
     print(body)
-    with open(os.path.join(REPO, a.root, "world_results.json"), "w") as f:
+    name = "world_results.json" if a.mention == "attributes" else f"world_{a.mention}_results.json"
+    with open(os.path.join(REPO, a.root, name), "w") as f:
         json.dump({f"{s}/{n}": v for (s, n), v in results.items()}, f, indent=1)
     return 0
 
@@ -233,6 +236,13 @@ def main(argv=None) -> int:
     w = sub.add_parser("world", help="the attributes world, over seeds")
     w.add_argument("--root", default="runs/trusted", help="folder of every run (from the repo)")
     w.add_argument("--seeds", default="0,1,2")
+    w.add_argument(
+        "--mention",
+        choices=tuple(FOLDER),
+        default="attributes",
+        help="world.mention: attributes (BM25 finds every document) or described (the "
+        "profession in other words: BM25 matches the city or year alone)",
+    )
     w.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     w.add_argument(
         "--partial",

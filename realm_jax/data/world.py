@@ -28,7 +28,10 @@ seed, shards):
                  attribute in words other than the knowledge document's, cycling through the
                  attributes; each sentence's one annotated span is that attribute's value.
                  mention="attributes": a sentence names its person by the two other attributes
-                 ("The baker born in 1957 calls Lisbon home.") instead of the name
+                 ("The baker born in 1957 calls Lisbon home.") instead of the name;
+                 mention="described": as "attributes" with the profession described in other
+                 words ("The person who kneads dough before sunrise, born in 1957, calls Lisbon
+                 home."), so BM25 matches the city or year alone (DESCRIPTIONS)
   qa.jsonl       SQuAD-style questions, one per attribute of every entity: {"question",
                  "answers": [value], "gold_passage": <corpus id>, "title": <name>, "id"}
                  (qa/answers.py read_questions, format auto)
@@ -69,7 +72,7 @@ CORPUS = "corpus.jsonl"
 TEXT_DIR = "text"
 QA = "qa.jsonl"
 PEOPLE = "people.jsonl"
-MENTIONS = ("name", "attributes")
+MENTIONS = ("name", "attributes", "described")
 NAMES = ("made_up", "words")
 ATTRIBUTES = ("city", "year", "profession")
 
@@ -134,6 +137,77 @@ TEXT_BY_ATTRIBUTES = {
         "The person who came into the world in {year} and calls {city} home toils as "
         "{a} {profession}.",
     ),
+}
+# mention="described": as "attributes", but the profession that identifies the person is
+# described in words the knowledge document never uses ("the one who bakes bread" for its
+# "baker"): BM25 matches the sentence's city or year alone, which ~1% of the people share,
+# and no longer finds the one document; a retriever that learns what "kneads dough" means
+# can. A sentence that masks the profession names the person by city and year as
+# "attributes" does (BM25 finds those). No description shares a word with a profession, a
+# city, a knowledge-document template or another description, stopwords aside
+# (tests/unit/test_world.py).
+DESCRIPTIONS = {
+    "accountant": "keeps the ledgers of firms",
+    "actor": "stars in films",
+    "architect": "draws plans for towers",
+    "baker": "kneads dough before sunrise",
+    "banker": "grants loans at a bank counter",
+    "blacksmith": "hammers hot iron at an anvil",
+    "butcher": "carves joints of beef",
+    "carpenter": "builds cabinets of timber",
+    "chef": "runs a restaurant kitchen",
+    "chemist": "mixes reagents in flasks",
+    "composer": "scores symphonies for orchestras",
+    "dancer": "performs ballet",
+    "dentist": "drills and fills teeth",
+    "doctor": "examines patients in a clinic",
+    "economist": "forecasts inflation",
+    "engineer": "designs bridges and engines",
+    "farmer": "harvests wheat fields",
+    "fisherman": "casts nets from a trawler",
+    "gardener": "prunes hedges and roses",
+    "historian": "studies ancient archives",
+    "journalist": "reports the news for a paper",
+    "judge": "presides over trials",
+    "lawyer": "argues cases to juries",
+    "librarian": "catalogues books for readers",
+    "mechanic": "repairs car gearboxes",
+    "merchant": "trades spices and silk",
+    "musician": "plays gigs with a band",
+    "novelist": "publishes long fiction",
+    "nurse": "tends the sick on hospital wards",
+    "painter": "covers canvases with oils",
+    "photographer": "shoots portraits with a camera",
+    "physicist": "measures particles and forces",
+    "pianist": "gives recitals at the keyboard",
+    "pilot": "flies airliners",
+    "poet": "rhymes verses and sonnets",
+    "potter": "throws clay on a wheel",
+    "priest": "leads mass in a parish",
+    "sailor": "crews ships on the ocean",
+    "sculptor": "chisels marble statues",
+    "shepherd": "herds flocks of sheep",
+    "singer": "records songs and albums",
+    "soldier": "serves in an infantry regiment",
+    "surgeon": "operates in theatre",
+    "tailor": "stitches suits to measure",
+    "teacher": "instructs pupils in a school",
+    "translator": "renders texts into other languages",
+    "violinist": "bows a fiddle in a quartet",
+    "writer": "drafts essays and stories",
+}
+TEXT_DESCRIBED = {
+    "city": (
+        "The person who {job}, born in {year}, calls {city} home.",
+        "{city} is the home of the person born in {year} who {job}.",
+        "The one who {job} and first drew breath in {year} keeps a house in {city}.",
+    ),
+    "year": (
+        "The person from {city} who {job} came into the world in {year}.",
+        "The year {year} saw the birth of the one who {job} and calls {city} home.",
+        "Living in {city}, the person who {job} first drew breath in {year}.",
+    ),
+    "profession": TEXT_BY_ATTRIBUTES["profession"],  # by city and year: BM25 finds these
 }
 QUESTIONS = {
     "city": ("Where does {name} live?", "In which city does {name} live?"),
@@ -242,7 +316,10 @@ class Person:
     def fields(self) -> dict:
         """The template fields: name, the three attributes, `a` (the profession's article)."""
         a = "an" if self.profession[0] in "aeiou" else "a"
-        return dict(name=self.name, city=self.city, year=self.year, profession=self.profession, a=a)
+        job = DESCRIPTIONS[self.profession]  # (mention="described")
+        return dict(
+            name=self.name, city=self.city, year=self.year, profession=self.profession, a=a, job=job
+        )
 
 
 Sentence = tuple[str, list[tuple[int, int]]]  # (text, [(char start, char end)])
@@ -322,7 +399,7 @@ def _name_words() -> tuple[str, ...]:
     """The vocab's words fit for a "words" name: one wordpiece, alphabetic, 5-10 letters, none
     a city, profession or a word of the templates, in vocab order."""
     taken = set(_taken_words())
-    for table in (KNOWLEDGE, TEXT_BY_NAME, TEXT_BY_ATTRIBUTES, QUESTIONS):
+    for table in (KNOWLEDGE, TEXT_BY_NAME, TEXT_BY_ATTRIBUTES, TEXT_DESCRIBED, QUESTIONS):
         for templates in table.values():
             for t in templates if isinstance(templates, (list, tuple)) else (templates,):
                 taken.update(w.lower() for w in re.findall(r"[A-Za-z]+", t))
@@ -335,10 +412,17 @@ def _name_words() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _word_names(seed: int, n: int) -> list[str]:
+def _description_words() -> frozenset[str]:
+    return frozenset(w for d in DESCRIPTIONS.values() for w in re.findall(r"[a-z]+", d))
+
+
+def _word_names(seed: int, n: int, described: bool = False) -> list[str]:
     """n names of two vocab words each (config.world.names="words"): 2n distinct words drawn
-    at random, so that no word is in two names."""
+    at random, so that no word is in two names. described: none a word of DESCRIPTIONS (left
+    out only there, so the other worlds' names stay as they were drawn)."""
     words = _name_words()
+    if described:
+        words = tuple(w for w in words if w not in _description_words())
     if 2 * n > len(words):
         raise ConfigError(
             f"config.world: {n} people need {2 * n} name words; the vocab has {len(words)}"
@@ -383,7 +467,9 @@ def make_people(settings: Settings) -> list[Person]:
     n = settings.entities + settings.distractors
     width = max(5, len(str(n - 1)))
     names = (
-        _names(settings.seed, n) if settings.names == "made_up" else _word_names(settings.seed, n)
+        _names(settings.seed, n)
+        if settings.names == "made_up"
+        else _word_names(settings.seed, n, settings.mention == "described")
     )
     attributes = _attributes(settings.seed, n)
     distractors = set(_rng(settings.seed, "roles").sample(range(n), settings.distractors))
@@ -414,7 +500,11 @@ def _knowledge_document(rng: random.Random, person: Person) -> dict:
 def _text_document(rng: random.Random, person: Person, settings: Settings) -> list[Sentence]:
     """sentences_per_entity sentences cycling through the attributes (from a drawn first);
     each attribute's templates in a drawn order, so a repeated attribute is restated anew."""
-    templates = TEXT_BY_NAME if settings.mention == "name" else TEXT_BY_ATTRIBUTES
+    templates = {
+        "name": TEXT_BY_NAME,
+        "attributes": TEXT_BY_ATTRIBUTES,
+        "described": TEXT_DESCRIBED,
+    }[settings.mention]
     order = rng.sample(ATTRIBUTES, len(ATTRIBUTES))
     drawn = {a: rng.sample(templates[a], len(templates[a])) for a in ATTRIBUTES}
     out = []

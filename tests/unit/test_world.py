@@ -238,6 +238,62 @@ def test_attribute_mentions_never_name_a_person(described):
             assert [r["id"] for r in fits] == [p["id"]]  # ...which only this person has
 
 
+@pytest.fixture(scope="module")
+def paraphrased(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("world-described"))
+    W.write_world(out, settings(mention="described", seed=5, names="words"))
+    return out
+
+
+# bm25s's English stopwords (realm_jax/index/bm25.py), written out: BM25 ignores them
+STOPWORDS = set(
+    "a an and are as at be but by for if in into is it no not of on or such that the their "
+    "then there these they this to was will with".split()
+)
+
+
+def test_descriptions_share_no_word_with_what_bm25_could_match():
+    """Each profession's description: no word of any profession, city or knowledge-document
+    template, nor of another description (stopwords aside), so BM25 cannot match it."""
+    known = {w.lower() for w in (*W.PROFESSIONS, *W.CITIES)}
+    for templates in W.KNOWLEDGE.values():
+        known |= {w.lower() for t in templates for w in re.findall(r"[A-Za-z]+", t)}
+    assert sorted(W.DESCRIPTIONS) == sorted(W.PROFESSIONS)
+    seen: dict[str, str] = {}
+    for profession, description in W.DESCRIPTIONS.items():
+        words = set(re.findall(r"[a-z]+", description)) - STOPWORDS
+        assert words and not words & known, (profession, words & known)
+        for w in words:
+            assert w not in seen, f"{w!r} describes {seen.get(w)} and {profession}"
+            seen[w] = profession
+
+
+def test_described_sentences_name_the_profession_only_in_other_words(paraphrased):
+    rows = people(paraphrased)
+    by_name = {r["name"]: r for r in rows}
+    names = {w for r in rows for w in r["name"].split()}
+    kinds = collections.Counter()
+    for _, title, sentences in text_documents(paraphrased):
+        p = by_name[title]
+        for sentence, [(s, e, _)] in sentences:
+            assert not names.intersection(re.findall(r"\w+", sentence)), sentence
+            masked = next(a for a in W.ATTRIBUTES if str(p[a]) == sentence[s:e])
+            assert mentions(sentence[s:e], sentence) == 1
+            kinds[masked] += 1
+            if masked == "profession":  # by city and year, as in "attributes"
+                assert mentions(p["city"], sentence) and mentions(str(p["year"]), sentence)
+                continue
+            other = "year" if masked == "city" else "city"
+            assert mentions(str(p[other]), sentence) == 1, sentence
+            assert W.DESCRIPTIONS[p["profession"]] in sentence, sentence
+            assert not any(mentions(x, sentence) for x in W.PROFESSIONS), sentence
+            # the literal attribute is shared: BM25's match is ambiguous, the pair is not
+            fits = [r for r in rows if mentions(str(r[other]), sentence)]
+            pair = [r for r in fits if W.DESCRIPTIONS[r["profession"]] in sentence]
+            assert [r["id"] for r in pair] == [p["id"]]
+    assert set(kinds) == set(W.ATTRIBUTES)
+
+
 # ----------------------------------------------------------------- independent references
 def _protobuf_example_class():
     """tf.train.Example (tensorflow/core/example/{example,feature}.proto) built with protobuf."""
