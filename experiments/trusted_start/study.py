@@ -356,10 +356,6 @@ def squad(a) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # squad_em: ONE reader, the reading phase's (configs/orqa.py:squad_read: bert-tiny trained on
 # the training articles' gold passages, the reader of experiments/ablations' 11.4% on BM25's
 # top 5), reads the top 5 blocks of each retriever; the retrievers alone differ.
@@ -477,3 +473,7 @@ def squad_em(a) -> int:
                   doc=RESULTS)  # fmt: skip
     print(body)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
