@@ -203,6 +203,7 @@ def world(a) -> int:
             )
     body = (
         f"`python experiments/trusted_start/study.py world --seeds {a.seeds} --arms {a.arms}"
+        + (f" --mention {a.mention}" if a.mention != "attributes" else "")
         + (f" --realm_step {a.realm_step}" if a.realm_step >= 0 else "")
         + (" --partial`" if a.partial else "`")
         + ": "
