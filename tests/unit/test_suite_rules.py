@@ -96,6 +96,9 @@ def test_the_system_mark_decorates_tests_only():
     assert not bad, f"pytest.mark.system on functions that are not tests: {bad}"
 
 
+MODULE_AND_TEST = r"((?:unit|integration|system)/[\w/]+\.py)(?:::(\w+(?:\.\.\.)?))?"
+
+
 def moved_tests(text: str) -> list[tuple[str, str]]:
     """(module, test name or prefix ending in '...', or '' for the whole module) named in the
     first column of docs/testing.md's table of tests moved out of CI."""
@@ -108,7 +111,7 @@ def moved_tests(text: str) -> list[tuple[str, str]]:
             continue
         module = None
         for token in re.findall(r"`([^`]+)`", line.split("|")[1]):
-            m = re.fullmatch(r"((?:unit|integration|system)/[\w/]+\.py)(?:::(\w+(?:\.\.\.)?))?", token)
+            m = re.fullmatch(MODULE_AND_TEST, token)
             if m:
                 module = m.group(1)
                 out.append((module, m.group(2) or ""))
