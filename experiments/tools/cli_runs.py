@@ -12,14 +12,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(args: list[str], log: str) -> float:
-    """`python -m realm_jax ARGS` from the repository root, its output into `log`; raises on
-    a non-zero exit. Returns its wall time in seconds."""
+def run(args: list[str], log: str, append: bool = False) -> float:
+    """`python -m realm_jax ARGS` from the repository root, its output into `log` (after what
+    it holds, with `append`: a resumed run's log keeps the earlier part); raises on a non-zero
+    exit. Returns its wall time in seconds."""
     cmd = [sys.executable, "-m", "realm_jax", *args]
     print("$", " ".join(cmd[1:]), flush=True)
     t = time.time()
     os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-    with open(log, "w") as f:
+    with open(log, "a" if append else "w") as f:
         subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
     print(f"  done in {time.time() - t:.0f} s (log {log})", flush=True)
     return time.time() - t

@@ -150,10 +150,11 @@ def world(a) -> int:
             elif arm == "realm":
                 if a.partial and os.path.exists(os.path.join(wd, "tb")) and not done(wd):
                     print(f"{wd}: not finished; its last evaluation is read (--partial)")
-                elif not done(wd):
-                    subprocess.run(["rm", "-rf", wd], check=True)
+                elif not done(wd):  # `train` resumes an unfinished run from its checkpoint
+                    if os.path.exists(wd):
+                        print(f"{wd}: not finished; resumed from its last checkpoint")
                     run(["train", "--config", REALM, "--workdir", wd, *paths, *start_flags()],
-                        f"{wd}.log")  # fmt: skip
+                        f"{wd}.log", append=True)  # fmt: skip
                 h = history(wd)
                 last = a.realm_step if a.realm_step >= 0 else max(h["recall@5"])
                 if last not in h["recall@5"]:
@@ -248,7 +249,8 @@ def main(argv=None) -> int:
     w.add_argument(
         "--partial",
         action="store_true",
-        help="read a REALM run that has not finished at its last evaluation (no rerun)",
+        help="read a REALM run that has not finished at its last evaluation (without it, the "
+        "run is resumed from its last checkpoint)",
     )
     w.add_argument(
         "--realm_step",
