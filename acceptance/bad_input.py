@@ -308,6 +308,13 @@ CASES = (
         "qa.reader_beam_size (40) must be between 1 and qa.retriever_beam_size (16)",
     ),
     Case(
+        "qa_eval_beam",
+        "an answering beam wider than the retriever beam",
+        _with_data("finetune", *ORQA, "--config.qa.eval_reader_beam_size=40"),
+        "qa.eval_reader_beam_size (40) must be between 0 (qa.reader_beam_size's) and "
+        "qa.retriever_beam_size (16)",
+    ),
+    Case(
         "evaluate_negative_limit",
         "`evaluate --limit -1`",
         _with_data("evaluate", *ORQA, "--limit", "-1"),

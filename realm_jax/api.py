@@ -421,8 +421,9 @@ class Model:
     # ----------------------------------------------------------------------------- answers
     def answer(self, questions, retriever: str | None = None, batch_size: int = 8):
         """The reader's answer to each question, with the blocks it read (qa.reader_beam_size
-        of them): an Answer for a string, [Answer] for a list. Fine-tuned workdirs only.
-        retriever: as retrieve's (None: the config's qa.retriever)."""
+        of them, or qa.eval_reader_beam_size when set): an Answer for a string, [Answer] for a
+        list. Fine-tuned workdirs only. retriever: as retrieve's (None: the config's
+        qa.retriever)."""
         if not self.is_qa:
             raise ValueError(
                 f"{self.workdir} is a pre-training workdir ({self.config.task}): its reader "

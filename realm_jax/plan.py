@@ -402,7 +402,9 @@ def qa_eval_program(config, mesh, num_blocks: int, params) -> Program:
     from realm_jax.qa import step
 
     model = step.state_parts(config)[0]
-    B, R = int(config.train.eval_batch_size), int(config.qa.reader_beam_size)
+    from realm_jax.qa.evaluation import eval_reader_beam
+
+    B, R = int(config.train.eval_batch_size), eval_reader_beam(config.qa)
     batch = _batch(mesh, {"question_ids": (B, config.data.query_len)})
     ids = _abstract((B, R), jnp.int32, sharding.batch_sharding(mesh))
     emb, tokens = _index_args(config, mesh, num_blocks)

@@ -412,9 +412,11 @@ def run_fields(config) -> dict:
 
     out = {"num_candidates": int(config.train.num_candidates)}
     if "qa" in config:
+        from realm_jax.qa.evaluation import eval_reader_beam
+
         q = config.qa
         out.update(
-            reader_beam_size=int(q.reader_beam_size),
+            reader_beam_size=eval_reader_beam(q),  # HF's reader reads at inference
             searcher_beam_size=int(q.retriever_beam_size),
             reader_seq_len=int(q.reader_len or joint_len(config)),
         )

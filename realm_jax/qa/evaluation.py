@@ -44,6 +44,12 @@ log = logging.getLogger("realm_jax.qa")
 RETRIEVERS = ("dense", "bm25", "hybrid", "gold")
 
 
+def eval_reader_beam(q) -> int:
+    """The blocks evaluation and answering read per question (config.qa): its
+    eval_reader_beam_size, or reader_beam_size when that is 0 or absent."""
+    return int(q.get("eval_reader_beam_size", 0) or q.reader_beam_size)
+
+
 @dataclasses.dataclass
 class FrozenIndex:
     """The frozen block embeddings and token table, row-sharded on device (the embeddings in
@@ -119,7 +125,9 @@ class Predictor:
         q = config.qa
         self.config, self.mesh, self.index, self.retriever = config, mesh, index, retriever
         self.ks = tuple(sorted({int(k) for k in q.recall_ks}))
-        self.reader_beam = int(q.reader_beam_size)
+        # blocks read per question: qa.eval_reader_beam_size when set (own_read trains on one
+        # block a question and answers from 5), else the training's qa.reader_beam_size
+        self.reader_beam = eval_reader_beam(q)
         # reading BM25's blocks: its scores x qa.bm25_weight are the retrieval scores added to
         # the span scores (the dense relevance of another retriever's blocks is not one)
         self.bm25_weight = float(q.get("bm25_weight", 0.0))

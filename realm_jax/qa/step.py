@@ -289,6 +289,12 @@ def check_config(config, model: RealmModel, num_blocks: int, mesh: Mesh) -> None
         raise ValueError(
             f"qa.reader_beam_size ({R}) must be between 1 and qa.retriever_beam_size ({k})"
         )
+    E = int(q.get("eval_reader_beam_size", 0))
+    if not 0 <= E <= k:
+        raise ValueError(
+            f"qa.eval_reader_beam_size ({E}) must be between 0 (qa.reader_beam_size's) and "
+            f"qa.retriever_beam_size ({k})"
+        )
     if k > num_blocks:
         raise ValueError(
             f"qa.retriever_beam_size = {k} exceeds the corpus ({num_blocks} blocks): lower it"

@@ -209,7 +209,7 @@ def _mutated(config: ml_collections.ConfigDict, section: str) -> ml_collections.
 @pytest.mark.parametrize(
     "task,variant",
     [(t, v) for t in ("ict", "orqa") for v in VARIANTS if (t, v) != ("ict", "own")]
-    + [("orqa", "squad_read")],
+    + [("orqa", "squad_read"), ("orqa", "own_read")],
 )
 def test_task_configs_inherit_no_training_setting_silently(task, variant, monkeypatch):
     """A task config (ICT, ORQA) built on configs/realm.py must set every train.* field that
@@ -336,6 +336,33 @@ def test_own_is_the_squad_recipe_from_minilm_without_ict():
         assert qa.qa[key] == qa_squad.qa[key], key
     with pytest.raises(ConfigError, match="no ICT stage"):
         load_config(f"{ICT}:own")
+
+
+def test_own_read_is_the_reading_phase_on_the_users_data_from_minilm():
+    """configs/orqa.py:own_read (issue 59, the recipe's default): squad_read's reading phase
+    (bert-tiny's reader, one gold block a question, the retriever frozen) with own's data
+    (the user's corpus and questions) and all-MiniLM-L6-v2 retrieving; it answers from the
+    hybrid's top 5 (squad's reader beam), as the study's 12.2% was read, and it needs no REALM
+    run."""
+    from realm_jax import config as config_lib
+    from realm_jax.config import check_reader_start
+    from realm_jax.qa.evaluation import eval_reader_beam
+
+    read = load_config(f"{ORQA}:own_read")
+    squad_read, own = load_config(f"{ORQA}:squad_read"), load_config(f"{ORQA}:own")
+    assert read.variant == "own_read" and read.task == "qa"
+    assert read.model.init_retriever_from == config_lib.MINILM
+    assert read.model.init_reader_from == config_lib.BERT_TINY and read.model.init_from_realm == ""
+    check_reader_start(read)  # no REALM workdir needed
+    assert read.train.to_dict() == squad_read.train.to_dict()  # 2,400 steps, embedders frozen
+    assert read.train.embedder_lr_scale == 0.0
+    assert read.qa.reader_beam_size == 1 and read.qa.gold_in_beam
+    assert eval_reader_beam(read.qa) == 5 == own.qa.reader_beam_size == eval_reader_beam(own.qa)
+    assert eval_reader_beam(squad_read.qa) == 1  # (scored with `evaluate --retriever gold`)
+    assert read.qa.retriever == "hybrid" and read.qa.train_file == read.qa.dev_file == ""
+    for key in ("retriever_beam_size", "hybrid_bm25_weight", "bm25_weight", "train_holdout"):
+        assert read.qa[key] == own.qa[key], key
+    assert read.data.to_dict() == own.data.to_dict()
 
 
 def test_own_resolves_minilm_by_id_offline_and_needs_a_reader_start():
