@@ -3,13 +3,15 @@ time and peak resident memory (its process's ru_maxrss, from os.wait4) -> docs/r
 
     python benchmarks/recipe_stages.py [--root runs/recipe] [--corpus FILE] [--questions FILE]
 
-The `own` variants (configs/realm.py:own: REALM from all-MiniLM-L6-v2, no ICT;
-configs/orqa.py:own). Defaults: the squad recipe's data (config.squad_files(): SQuAD's
-paragraphs and questions), so the figures are on SQuAD's chain. Every stage is the README's
-command as a user types it; a finished stage is not run again (its figures are kept in
-ROOT/stages.json), so an interrupted run resumes where it stopped. The evaluation stages also
-give the held-out exact match of the recipe's fine-tuned model reading the dense, BM25 and
-hybrid top 5.
+The README's default: `prepare` (configs/realm.py:own), the reading phase with all-MiniLM-L6-v2
+retrieving (`finetune --config configs/orqa.py:own_read`: bert-tiny's reader on the questions'
+passages, MiniLM frozen, its index embedded once), `evaluate` (its qa.retriever: the hybrid,
+then dense and BM25 to compare) and `ask`. Defaults: the squad recipe's data
+(config.squad_files(): SQuAD's paragraphs and questions), so the figures are on SQuAD. Every
+stage is the README's command as a user types it; a finished stage is not run again (its
+figures are kept in ROOT/stages.json), so an interrupted run resumes where it stopped (a
+stopped `finetune` from its last checkpoint). The evaluation stages also give the held-out
+exact match of the recipe's model reading the hybrid, dense and BM25 top 5.
 """
 
 from __future__ import annotations
@@ -37,11 +39,10 @@ def stages(root: str, corpus: str, questions: str) -> list[tuple[str, list[str]]
     realm, qa = f"{root}/realm", f"{root}/qa"
     return [
         ("prepare", ["prepare", "--config", "configs/realm.py:own", "--workdir", realm, *c]),
-        # train, evaluate and ask: the workdir's recorded config (README: no --config)
-        ("train (REALM)", ["train", "--workdir", realm]),
-        ("finetune", ["finetune", "--config", "configs/orqa.py:own", "--workdir", qa, *c, *q,
-                      f"--config.model.init_from_realm={realm}"]),
-        # the README's `evaluate --workdir` (own's qa.retriever: hybrid), then the other two
+        ("finetune (reading phase)",
+         ["finetune", "--config", "configs/orqa.py:own_read", "--workdir", qa, *c, *q]),
+        # evaluate and ask: the workdir's recorded config (README: no --config); the README's
+        # `evaluate --workdir` (own_read's qa.retriever: hybrid), then the other two
         ("evaluate (hybrid)", ["evaluate", "--workdir", qa]),
         *[
             (f"evaluate --retriever {r}", ["evaluate", "--workdir", qa, "--retriever", r])
@@ -52,8 +53,9 @@ def stages(root: str, corpus: str, questions: str) -> list[tuple[str, list[str]]
 
 
 def run(cmd: list[str], log: str) -> dict:
-    """Run `python -m realm_jax CMD` to the end: {seconds, peak_rss_mb, rc}."""
-    t0 = time.time()
+    """Run `python -m realm_jax CMD` to the end: {seconds, peak_rss_mb, rc, load} (load: the
+    1-minute load average at its start and end, to tell a quiet machine from a shared one)."""
+    t0, load0 = time.time(), os.getloadavg()[0]
     with open(log, "w") as f:
         p = subprocess.Popen(
             [sys.executable, "-m", "realm_jax", *cmd], cwd=REPO, stdout=f, stderr=f
@@ -65,6 +67,7 @@ def run(cmd: list[str], log: str) -> dict:
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 0),  # KiB on Linux
         "rc": p.returncode,
         "log": os.path.relpath(log, REPO),
+        "load": [round(load0, 1), round(os.getloadavg()[0], 1)],
     }
 
 
@@ -81,6 +84,10 @@ def write(root: str, done: dict, argv: list[str]) -> None:
         f"| `{name}` | {r['seconds'] / 60:.1f} | {r['peak_rss_mb']:.0f} | {r['rc']} |"
         for name, r in done.items()
     ]
+    loads = {name: r.get("load") for name, r in done.items() if r.get("load")}
+    load_note = "the 1-minute load average at each stage's start and end: " + ", ".join(
+        f"{name} {a:g} -> {b:g}" for name, (a, b) in loads.items()
+    ) + f" ({os.cpu_count()} cores; above that, other jobs ran beside it)"
     ems = []
     for r in ("dense", "bm25", "hybrid"):
         m = metrics(root, r)
@@ -91,15 +98,17 @@ def write(root: str, done: dict, argv: list[str]) -> None:
             )
     text = f"""# The own-corpus recipe, stage by stage
 
-What each stage of the README's own-corpus recipe (the `own` variants: REALM from
-all-MiniLM-L6-v2's embedders with bert-tiny's reader, ORQA fine-tuning, evaluation with the
-hybrid retriever, `ask`) costs on this project's machine ({platform.machine()},
-{os.cpu_count()} cores, CPU only), run as a user types it:
+What each stage of the README's own-corpus recipe costs on this project's machine
+({platform.machine()}, {os.cpu_count()} cores, CPU only), run as a user types it: `prepare`
+(configs/realm.py:own), the reading phase (`finetune --config configs/orqa.py:own_read`:
+bert-tiny's reader on the training questions' passages, all-MiniLM-L6-v2 retrieving, frozen, its
+index of the corpus embedded once), `evaluate` with the hybrid retriever (then dense and BM25 to
+compare), `ask`:
 
     python benchmarks/recipe_stages.py {" ".join(argv)}
 
-Each stage is the README's command: `train`, `evaluate` and `ask` name only the workdir, whose
-recorded config they start from (`run_config.json`,
+Each stage is the README's command: `evaluate` and `ask` name only the workdir, whose recorded
+config they start from (`run_config.json`,
 [reference](reference.md#a-workdir-remembers-its-config)).
 
 | stage | minutes | peak memory (MB) | exit |
@@ -107,15 +116,17 @@ recorded config they start from (`run_config.json`,
 {chr(10).join(rows)}
 
 Peak memory is the stage's process's maximum resident set (ru_maxrss). The machine is shared:
-other jobs ran beside some stages, so the minutes are an upper bound. On a GPU: not measured
-(no device was lent to this session).
+{load_note}. On a GPU: not measured (no device was lent to this session).
 
-Held-out exact match of the recipe's fine-tuned model (configs/orqa.py:own's dev split: the
-held-out articles' questions), reading each retriever's top 5:
+Held-out exact match of the recipe's model (configs/orqa.py:own_read's dev split: the held-out
+articles' questions), reading each retriever's top 5:
 
 | retriever | exact match % | recall@5 % | recall@20 % | questions |
 |---|---|---|---|---|
 {chr(10).join(ems) or "| (not yet run) | | | | |"}
+
+REALM's adaptation stage (README: `train`, then `finetune --config configs/orqa.py:own`) is not
+part of these figures: on SQuAD it re-embeds the corpus with MiniLM every 50 steps, not timed.
 """
     with open(OUT, "w") as f:
         f.write(text)

@@ -7,8 +7,10 @@ fast and leaving a rerunnable workdir, `evaluate` scoring the user's questions a
 test_lean_chain (make test, tiny random-init model, about a minute on 2 cores): prepare, `train`
 with refresh.mode=external and no refresh job (one error line, exit 2, no long wait), the rerun
 in process from the same workdir, `ask` with nothing but --workdir. test_readme_recipe_verbatim
-(system tier: configs/realm.py:own, MiniLM's embedders and bert-tiny's reader at the squad
-recipe's sizes, minutes): every README command, smoke sizes appended as extra overrides."""
+(system tier: MiniLM's embedders and bert-tiny's reader at the squad recipe's sizes, minutes):
+every command of the README's two blocks (the default: prepare, the reading phase of
+configs/orqa.py:own_read, evaluate, ask; the adaptation: REALM's train, fine-tuning from it,
+evaluate), smoke sizes appended as extra overrides."""
 
 import json
 import os
@@ -187,22 +189,27 @@ EXTRA = {
 }  # fmt: skip
 
 
-def readme_recipe() -> list[str]:
-    """The README's own-corpus block, line by line (the `C=...` line first)."""
+def readme_recipe() -> tuple[list[str], list[str], list[str]]:
+    """The README's own-corpus blocks: the variable lines (C=..., Q=...), the default recipe's
+    commands and the REALM adaptation's, line by line."""
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
-    block = text.split("On your own corpus", 1)[1].split("```", 2)[1]
-    return [line for line in block.strip().splitlines() if line.strip()]
+    blocks = text.split("On your own corpus", 1)[1].split("```")
+    lines = [[x for x in b.strip().splitlines() if x.strip()] for b in (blocks[1], blocks[3])]
+    variables = [x for x in lines[0] if not x.startswith("python ")]
+    return variables, lines[0][len(variables) :], lines[1]
 
 
 def test_readme_recipe_is_short_and_parsed():
-    """What the system test runs: the README block's shape (cheap, in make test)."""
-    lines = readme_recipe()
-    assert lines[0].startswith("C=")
-    commands = [shlex.split(x)[3] for x in lines[1:]]
-    assert commands == ["prepare", "train", "finetune", "evaluate", "ask"], commands
-    assert "configs/realm.py:own" in lines[1] and "configs/orqa.py:own" in lines[3]
-    for x in lines[1:]:
+    """What the system test runs: the README blocks' shape (cheap, in make test)."""
+    variables, recipe, adapt = readme_recipe()
+    assert [v.split("=", 1)[0] for v in variables] == ["C", "Q"]
+    commands = [shlex.split(x)[3] for x in recipe]
+    assert commands == ["prepare", "finetune", "evaluate", "ask"], commands
+    assert "configs/realm.py:own " in recipe[0] and "configs/orqa.py:own_read " in recipe[1]
+    assert [shlex.split(x)[3] for x in adapt] == ["train", "finetune", "evaluate"], adapt
+    assert "configs/orqa.py:own " in adapt[1] and "init_from_realm=runs/mine" in adapt[1]
+    for x in recipe + adapt:
         sub = shlex.split(x)[3]
         if sub in ("train", "evaluate", "ask"):  # the workdir remembers its config
             assert "--config " not in x and "$C" not in x, x
@@ -220,18 +227,18 @@ def test_readme_recipe_verbatim(tmp_path):
     _, paragraphs = write_corpus(root)
     questions = write_questions(root)
     assert 60 <= paragraphs <= 120
-    lines = readme_recipe()
+    variables, recipe, adapt = readme_recipe()
     env = os.environ.copy()
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # `python`
     times = {}
-    for line in lines[1:]:
+    for n, line in enumerate(recipe + adapt):
         sub = shlex.split(line)[3]
-        script = f"{lines[0]}\n{line} {shlex.join(EXTRA[sub])}"
+        script = "\n".join([*variables, f"{line} {shlex.join(EXTRA[sub])}"])
         t0 = time.time()
         r = subprocess.run(
             ["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=900
         )
-        times[sub] = time.time() - t0
+        times[f"{n}:{sub}"] = time.time() - t0
         assert r.returncode == 0, f"{line}\n{r.stderr[-4000:]}"
         assert "Traceback" not in r.stderr, r.stderr[-4000:]
         if sub == "prepare":  # 3 articles at eval_fraction 0.05: none held out, said at once
@@ -242,16 +249,26 @@ def test_readme_recipe_verbatim(tmp_path):
         if sub == "finetune":  # NQ-open questions: no article to split by, said once
             assert "name no article" in r.stderr, r.stderr[-2000:]
         if sub == "evaluate":  # the user's questions, all of them (NQ-open: no article split)
+            qa = shlex.split(line)[shlex.split(line).index("--workdir") + 1]
             assert "my_questions.jsonl" in r.stdout + r.stderr, r.stdout[-2000:]
             found = [
-                json.load(open(os.path.join(root, "runs", "mine-qa", "eval", f)))
-                for f in os.listdir(os.path.join(root, "runs", "mine-qa", "eval"))
+                json.load(open(os.path.join(root, qa, "eval", f)))
+                for f in os.listdir(os.path.join(root, qa, "eval"))
                 if f.endswith(".metrics.json")
             ]
             assert [int(m["questions"]) for m in found] == [NUM_QUESTIONS], found
             assert [m["retriever"] for m in found] == ["hybrid"], found  # own's qa.retriever
         if sub == "ask":
             assert r.stdout.strip(), r.stderr[-2000:]
+    # own_read answers from the hybrid's top 5 (qa.eval_reader_beam_size), trained on one
+    recorded = record(os.path.join(root, "runs", "mine-qa"))
+    assert recorded["config"].endswith("configs/orqa.py:own_read"), recorded
+    for qa in ("mine-qa", "mine-adapted"):
+        folder = os.path.join(root, "runs", qa, "eval")
+        (preds,) = [f for f in os.listdir(folder) if f.endswith(".predictions.jsonl")]
+        with open(os.path.join(folder, preds)) as f:
+            read = [len(json.loads(line)["top_blocks"]) for line in f]
+        assert read == [5] * NUM_QUESTIONS, (qa, read)
     # `ask --workdir W "q"` alone, and `evaluate` of SQuAD-style questions with titles
     r = cli(root, ["ask", "--workdir", "runs/mine-qa", "What is materialism?"])
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
