@@ -85,9 +85,11 @@ def write(root: str, done: dict, argv: list[str]) -> None:
         for name, r in done.items()
     ]
     loads = {name: r.get("load") for name, r in done.items() if r.get("load")}
-    load_note = "the 1-minute load average at each stage's start and end: " + ", ".join(
-        f"{name} {a:g} -> {b:g}" for name, (a, b) in loads.items()
-    ) + f" ({os.cpu_count()} cores; above that, other jobs ran beside it)"
+    load_note = (
+        "the 1-minute load average at each stage's start and end: "
+        + ", ".join(f"{name} {a:g} -> {b:g}" for name, (a, b) in loads.items())
+        + f" ({os.cpu_count()} cores; above that, other jobs ran beside it)"
+    )
     ems = []
     for r in ("dense", "bm25", "hybrid"):
         m = metrics(root, r)
