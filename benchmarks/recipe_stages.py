@@ -81,8 +81,16 @@ def metrics(root: str, retriever: str) -> dict:
 
 def write(root: str, done: dict, argv: list[str]) -> None:
     rows = [
-        f"| `{name}` | {r['seconds'] / 60:.1f} | {r['peak_rss_mb']:.0f} | {r['rc']} |"
+        f"| `{name}` | {r['seconds'] / 60:.1f}"
+        + (f" ({len(r['attempts'])} runs, resumed)" if len(r.get("attempts", [])) > 1 else "")
+        + f" | {r['peak_rss_mb']:.0f} | {r['rc']} |"
         for name, r in done.items()
+    ]
+    stopped = [
+        f"- `{name}` did not finish ({r['rc']}): {r.get('note', 'see ' + r['log'])}; the next "
+        "`python benchmarks/recipe_stages.py` resumes it."
+        for name, r in done.items()
+        if r["rc"] != 0
     ]
     loads = {name: r.get("load") for name, r in done.items() if r.get("load")}
     load_note = (
@@ -116,7 +124,7 @@ config they start from (`run_config.json`,
 | stage | minutes | peak memory (MB) | exit |
 |---|---|---|---|
 {chr(10).join(rows)}
-
+{(chr(10) + chr(10).join(stopped) + chr(10)) if stopped else ""}
 Peak memory is the stage's process's maximum resident set (ru_maxrss). The machine is shared:
 {load_note}. On a GPU: not measured (no device was lent to this session).
 
@@ -151,14 +159,31 @@ def main() -> int:
         slug = name.replace("evaluate --retriever ", "evaluate-").replace(" (hybrid)", "-hybrid")
         slug = slug.split()[0]
         log = os.path.join(root, slug + ".log")
-        done[name] = run(cmd, log)
-        print(f"  {done[name]}", flush=True)
+        earlier = done.get(name, {}).get("attempts", [])
+        result = run(cmd, log)
+        if result["rc"] == 0 and not finished(cmd):  # a trainer stopped by a signal exits 0
+            result["rc"] = "stopped"
+        # a resumed stage's time is the sum of its runs (each run's figures kept)
+        done[name] = dict(result, attempts=[*earlier, result])
+        done[name]["seconds"] = round(sum(a["seconds"] for a in done[name]["attempts"]), 1)
+        done[name]["peak_rss_mb"] = max(a["peak_rss_mb"] for a in done[name]["attempts"])
+        print(f"  {result}", flush=True)
         json.dump(done, open(state_path, "w"), indent=1)
         write(root, done, sys.argv[1:])
         if done[name]["rc"] != 0:
-            print(f"stage {name} failed: see {log}", file=sys.stderr)
+            print(f"stage {name} did not finish ({result['rc']}): see {log}", file=sys.stderr)
             return 1
     return 0
+
+
+def finished(cmd: list[str]) -> bool:
+    """Whether a training stage (`finetune`, `train`) ran to its last step: its workdir's
+    metrics.json says complete (SIGTERM stops a trainer with a checkpoint and exit code 0; the
+    next run of this script resumes it). Other stages: True."""
+    if cmd[0] not in ("finetune", "train"):
+        return True
+    path = os.path.join(cmd[cmd.index("--workdir") + 1], "metrics.json")
+    return os.path.exists(path) and bool(json.load(open(path)).get("complete"))
 
 
 if __name__ == "__main__":

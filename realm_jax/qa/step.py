@@ -50,6 +50,7 @@ from realm_jax.model.realm import RealmModel, realm_model
 from realm_jax.ops import mips
 from realm_jax.qa.losses import orqa_loss
 from realm_jax.tokenization import SEP_ID
+from realm_jax.pretrain.step import _reader_only
 from realm_jax.train.optimizer import freeze_networks, make_optimizer
 from realm_jax.train.state import TrainState, create_sharded, guarded_update
 
@@ -245,22 +246,38 @@ def train_step(
     optimizer,
     seed,
     frozen=FROZEN,
+    reader_only=False,
     **kw,
 ):
     """One optimizer step; returns (new state, metrics). frozen: the networks the optimizer
-    leaves as they are (frozen_networks), whose gradient norms are not logged."""
+    leaves as they are (frozen_networks), whose gradient norms are not logged. reader_only
+    (reads_alone: train.embedder_lr_scale 0, the reading phases): the step differentiates the
+    reader alone; the embedders run forward only, as REALM's frozen-embedders step
+    (pretrain/step.py _reader_only), so no backward pass runs through the query embedder (for
+    all-MiniLM-L6-v2, most of the step's work). Their updates were zero either way: the same
+    parameters, the embedders' Adam moments left at zero."""
     rng = None
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
     loss_fn = functools.partial(qa_loss, model=model, rng=rng, **kw)
+    params, fixed = state.params, {}
+    if reader_only:
+        loss_fn, params, fixed = _reader_only(loss_fn, state.params)
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch, index_emb, index_tokens
+        params, batch, index_emb, index_tokens
     )
+    grads = {**grads, **jax.tree.map(jnp.zeros_like, fixed)}  # the full tree, as the state's
     new_state = guarded_update(state, grads, metrics, optimizer)
     for name in grads:
-        if name not in frozen:
+        if name not in frozen and name not in fixed:
             metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     return new_state, metrics
+
+
+def reads_alone(config) -> bool:
+    """Whether fine-tuning trains the reader alone: train.embedder_lr_scale 0 (configs/orqa.py's
+    reading phases), when the query embedder's updates are zero at every step."""
+    return float(config.train.embedder_lr_scale) == 0.0
 
 
 def reader_len(config) -> int:
@@ -333,6 +350,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         optimizer=optimizer,
         seed=config.train.seed,
         frozen=frozen_networks(config),
+        reader_only=reads_alone(config),
         **step_kwargs(config, mesh, num_valid),
     )
     rows = sharding.rows_sharding(mesh)

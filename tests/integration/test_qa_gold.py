@@ -325,3 +325,82 @@ def test_dev_questions_are_spread_through_the_file(monkeypatch):
     for n in (0, 10, 25):
         cfg.train.eval_examples = n
         assert qa_data.dev_questions(cfg, "") == file
+
+
+def test_a_reading_phase_step_differentiates_the_reader_alone(sample, run, questions):
+    """train.embedder_lr_scale=0 (configs/orqa.py's reading phases): the compiled step takes
+    no backward pass through the query embedder (XLA's FLOP count falls), and its new state is
+    the full step's: the reader's update and Adam moments equal (gradient clipping far away,
+    so the embedder's gradient does not join the reader's global norm), the embedders' weights
+    bit-identical to before in both (the full step's zero updates)."""
+    from realm_jax.train.optimizer import EMBEDDERS
+
+    root, ddir = sample
+    _, work, _, _, _, mesh = run
+    cfg = config(root, ddir, "qa.gold_in_beam=True", "train.embedder_lr_scale=0.0",
+                 "train.grad_clip=1e9", "train.warmup_steps=0")  # fmt: skip
+    from realm_jax.config import load_config
+
+    assert qa_step.reads_alone(cfg)
+    assert not qa_step.reads_alone(load_config(os.path.join(REPO, "configs", "orqa.py:smoke")))
+    tokens, doc_ids, _ = datasets.load_blocks(ddir)
+    examples = read_questions(questions)[:8]
+    arrays, _ = qa_data.encode(examples, cfg.data.query_len, cfg.qa.answer_len, cfg.qa.max_answers)
+    _, gold = qa_data.gold_blocks(examples, doc_ids, tokens, arrays["answer_ids"])
+    host = {k: arrays[k] for k in ("question_ids", "answer_ids")} | {"gold_block": gold}
+    batch = sharding.global_batch(host, mesh)
+    emb = store.load_embeddings(store.latest_valid(paths.index_dir(work))[1])
+    index = FrozenIndex.put(mesh, emb, tokens)
+    out, flops, before = {}, {}, None
+    for alone in (False, True):  # a fresh state each time: the step donates it
+        model, opt, state, shardings = qa_step.create_state(
+            cfg, mesh, jax.random.key(0), params_hook(cfg, span_head=True)
+        )
+        if before is None:
+            before = jax.device_get(state)
+        fn = qa_step.compile_train_step(cfg, mesh, model, opt, shardings, len(tokens))
+        if not alone:  # the step as it was before reads_alone
+            fn = sharding.traced_in_mesh(
+                jax.jit(
+                    functools.partial(
+                        qa_step.train_step, model=model, optimizer=opt, seed=cfg.train.seed,
+                        frozen=qa_step.frozen_networks(cfg), reader_only=False,
+                        **qa_step.step_kwargs(cfg, mesh, len(tokens)),
+                    ),
+                    donate_argnums=(0,),
+                ),
+                mesh,
+            )  # fmt: skip
+        cost = fn.lower(state, batch, index.emb, index.tokens).compile().cost_analysis()
+        flops[alone] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+        out[alone] = jax.device_get(fn(state, batch, index.emb, index.tokens))
+    assert flops[True] < 0.9 * flops[False], flops  # (tiny embedders here; MiniLM: most)
+    (full, m_full), (alone, m_alone) = out[False], out[True]
+    np.testing.assert_allclose(m_alone["loss"], m_full["loss"], rtol=1e-6)
+    assert m_full["grad_norm/query_embedder"] > 0 and "grad_norm/query_embedder" not in m_alone
+    np.testing.assert_allclose(m_alone["grad_norm/reader"], m_full["grad_norm/reader"], rtol=1e-5)
+
+    def under(path):
+        return any(getattr(k, "key", None) in EMBEDDERS for k in path)
+
+    moved = 0
+    for (path, a), b, o in zip(
+        jax.tree_util.tree_leaves_with_path(full.params),
+        jax.tree.leaves(alone.params),
+        jax.tree.leaves(before.params),
+        strict=True,
+    ):
+        if under(path):
+            np.testing.assert_array_equal(a, o, err_msg=str(path))
+            np.testing.assert_array_equal(b, o, err_msg=str(path))
+        else:
+            np.testing.assert_allclose(b - o, a - o, rtol=1e-4, atol=1e-9, err_msg=str(path))
+            moved += bool(np.abs(a - o).max() > 0)
+    assert moved > 0
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(full.opt_state),
+        jax.tree.leaves(alone.opt_state),
+        strict=True,
+    ):
+        if not under(path):  # the reader's moments, the counts
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-12, err_msg=str(path))
