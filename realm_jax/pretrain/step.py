@@ -24,7 +24,7 @@ from realm_jax.model.realm import RealmModel, realm_model, tied_decoder_logits
 from realm_jax.ops.fused_softmax import fused_marginal_loss
 from realm_jax.pretrain import losses, measures, retrieval, terms
 from realm_jax.pretrain.step_config import StepConfig
-from realm_jax.train.optimizer import EMBEDDERS, make_optimizer
+from realm_jax.train.optimizer import EMBEDDERS, make_optimizer, reader_only
 from realm_jax.train.state import TrainState, create_sharded, guarded_update
 
 
@@ -253,7 +253,7 @@ def train_step(
     loss_fn = functools.partial(realm_loss, model=model, mesh=mesh, cfg=cfg)
     params, frozen = state.params, {}
     if cfg.embedders_frozen:
-        loss_fn, params, frozen = _reader_only(loss_fn, state.params)
+        loss_fn, params, frozen = reader_only(loss_fn, state.params)
     args = (loss_fn, params, batch, index_emb, index_tokens)
     if cfg.grad_accum > 1:
         grads, metrics = accumulated_grads(*args, cfg.grad_accum, mesh, rng)
@@ -270,21 +270,6 @@ def train_step(
         metrics[f"grad_norm/{name}"] = optax.tree.norm(grads[name])
     metrics["staleness"] = state.step - index_step
     return new_state, metrics
-
-
-def _reader_only(loss_fn, params):
-    """(loss_fn of the other networks' params alone, those params, the embedders' params):
-    the frozen-embedders step differentiates the reader alone. The embedders still run forward
-    (the queries' search and every candidate's live embedding, dropout included, as the full
-    step's), but with their params outside the differentiated arguments JAX builds no
-    backward through them: REALM's gradient stops at the scores and the query embeddings."""
-    frozen = {k: v for k, v in params.items() if k in EMBEDDERS}
-    rest = {k: v for k, v in params.items() if k not in EMBEDDERS}
-
-    def reader_loss(p, *args, **kwargs):
-        return loss_fn({**p, **frozen}, *args, **kwargs)
-
-    return reader_loss, rest, frozen
 
 
 def _embedders_kept(new, old):

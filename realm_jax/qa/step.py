@@ -50,8 +50,7 @@ from realm_jax.model.realm import RealmModel, realm_model
 from realm_jax.ops import mips
 from realm_jax.qa.losses import orqa_loss
 from realm_jax.tokenization import SEP_ID
-from realm_jax.pretrain.step import _reader_only
-from realm_jax.train.optimizer import freeze_networks, make_optimizer
+from realm_jax.train.optimizer import freeze_networks, make_optimizer, reader_only
 from realm_jax.train.state import TrainState, create_sharded, guarded_update
 
 # The networks fine-tuning leaves as they are: the document embedder made the frozen index.
@@ -246,23 +245,24 @@ def train_step(
     optimizer,
     seed,
     frozen=FROZEN,
-    reader_only=False,
+    reader_only_step=False,
     **kw,
 ):
     """One optimizer step; returns (new state, metrics). frozen: the networks the optimizer
-    leaves as they are (frozen_networks), whose gradient norms are not logged. reader_only
-    (reads_alone: train.embedder_lr_scale 0, the reading phases): the step differentiates the
-    reader alone; the embedders run forward only, as REALM's frozen-embedders step
-    (pretrain/step.py _reader_only), so no backward pass runs through the query embedder (for
-    all-MiniLM-L6-v2, most of the step's work). Their updates were zero either way: the same
-    parameters, the embedders' Adam moments left at zero."""
+    leaves as they are (frozen_networks), whose gradient norms are not logged.
+    reader_only_step (reads_alone: train.embedder_lr_scale 0, the reading phases): the step
+    differentiates the reader alone; the embedders run forward only, as REALM's
+    frozen-embedders step (train/optimizer.py reader_only), so no backward pass runs through
+    the query embedder (for all-MiniLM-L6-v2, by a FLOP estimate the larger part of the step).
+    Their updates were zero either way: the same parameters, the embedders' Adam moments left
+    at zero."""
     rng = None
     if model.uses_dropout:
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
     loss_fn = functools.partial(qa_loss, model=model, rng=rng, **kw)
     params, fixed = state.params, {}
-    if reader_only:
-        loss_fn, params, fixed = _reader_only(loss_fn, state.params)
+    if reader_only_step:
+        loss_fn, params, fixed = reader_only(loss_fn, state.params)
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, batch, index_emb, index_tokens
     )
@@ -350,7 +350,7 @@ def compile_train_step(config, mesh: Mesh, model, optimizer, state_shardings, nu
         optimizer=optimizer,
         seed=config.train.seed,
         frozen=frozen_networks(config),
-        reader_only=reads_alone(config),
+        reader_only_step=reads_alone(config),
         **step_kwargs(config, mesh, num_valid),
     )
     rows = sharding.rows_sharding(mesh)

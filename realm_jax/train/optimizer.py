@@ -111,3 +111,19 @@ def freeze_networks(optimizer, names) -> optax.GradientTransformation:
         return {k: "frozen" if k in names else "train" for k in params}
 
     return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
+def reader_only(loss_fn, params):
+    """(loss_fn of the other networks' params alone, those params, the embedders' params):
+    a step that differentiates the reader alone (REALM's frozen-embedders step, the QA reading
+    phases). The embedders still run forward (the queries' search and every candidate's live
+    embedding, dropout included, as the full step's), but with their params outside the
+    differentiated arguments JAX builds no backward through them: the gradient stops at the
+    scores and the query embeddings."""
+    frozen = {k: v for k, v in params.items() if k in EMBEDDERS}
+    rest = {k: v for k, v in params.items() if k not in EMBEDDERS}
+
+    def reader_loss(p, *args, **kwargs):
+        return loss_fn({**p, **frozen}, *args, **kwargs)
+
+    return reader_loss, rest, frozen

@@ -364,7 +364,7 @@ def test_a_reading_phase_step_differentiates_the_reader_alone(sample, run, quest
                 jax.jit(
                     functools.partial(
                         qa_step.train_step, model=model, optimizer=opt, seed=cfg.train.seed,
-                        frozen=qa_step.frozen_networks(cfg), reader_only=False,
+                        frozen=qa_step.frozen_networks(cfg), reader_only_step=False,
                         **qa_step.step_kwargs(cfg, mesh, len(tokens)),
                     ),
                     donate_argnums=(0,),
