@@ -100,7 +100,10 @@ def _finetune_and_evaluate(qa_files, tmp_path):
     assert last["reader_beam_recall"] == first["reader_beam_recall"] > 0  # the same questions
     assert last["reader_loss"] < 0.5 * first["reader_loss"], (first, last)
     assert last["exact_match"] > first["exact_match"], (first, last)
-    assert any(h["grad_norm/query_embedder"] > 0 for h in history if "loss" in h)
+    # embedder_lr_scale 0: the step differentiates the reader alone (qa/step.py reads_alone;
+    # the query embedder's gradient through ORQA's loss: test_qa_gold's full step)
+    assert not any("grad_norm/query_embedder" in h for h in history)
+    assert any(h.get("grad_norm/reader", 0) > 0 for h in history)
     evals = [h for h in history if "eval/exact_match" in h]
     assert [h["step"] for h in evals] == [0, 30, 60]
     assert evals[-1]["eval/exact_match"] > evals[0]["eval/exact_match"]  # learnt (train = dev)

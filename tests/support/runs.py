@@ -57,7 +57,8 @@ QA_OVERRIDES = TINY_NETWORKS + [
     "qa.reader_beam_size=3",
     "qa.recall_ks=(1,2,4)",
     "train.batch_size=8",
-    # the query embedder gets its gradient but takes no step: retrieval stays as it is, so
+    # the query embedder takes no step (the step differentiates the reader alone, qa/step.py
+    # reads_alone): retrieval stays as it is, so
     # ORQA's loss (which counts only questions whose answer was retrieved) counts the same
     # questions before and after (a random document embedder gives it nothing to learn from)
     "train.embedder_lr_scale=0",
