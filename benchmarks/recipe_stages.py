@@ -52,11 +52,11 @@ def stages(root: str, corpus: str, questions: str) -> list[tuple[str, list[str]]
     ]  # fmt: skip
 
 
-def run(cmd: list[str], log: str) -> dict:
+def run(cmd: list[str], log: str, append: bool = False) -> dict:
     """Run `python -m realm_jax CMD` to the end: {seconds, peak_rss_mb, rc, load} (load: the
     1-minute load average at its start and end, to tell a quiet machine from a shared one)."""
     t0, load0 = time.time(), os.getloadavg()[0]
-    with open(log, "w") as f:
+    with open(log, "a" if append else "w") as f:  # a resumed stage's log keeps its first runs
         p = subprocess.Popen(
             [sys.executable, "-m", "realm_jax", *cmd], cwd=REPO, stdout=f, stderr=f
         )
@@ -160,7 +160,7 @@ def main() -> int:
         slug = slug.split()[0]
         log = os.path.join(root, slug + ".log")
         earlier = done.get(name, {}).get("attempts", [])
-        result = run(cmd, log)
+        result = run(cmd, log, append=bool(earlier))
         if result["rc"] == 0 and not finished(cmd):  # a trainer stopped by a signal exits 0
             result["rc"] = "stopped"
         # a resumed stage's time is the sum of its runs (each run's figures kept)
