@@ -40,3 +40,42 @@ def chosen_arms(parser, text: str, known) -> list[str]:
     if unknown:
         parser.error(f"unknown arms {unknown}: choose from {', '.join(known)}")
     return arms
+
+
+class Ledger:
+    """A study's finished arms, kept in the repository (one JSON file each under `folder`),
+    so a long study accumulates across machines whose runs/ does not last: an arm recorded
+    here is read back instead of run again. Each record holds what the arm measured, the
+    command that measured it, its commit and its date; delete a record's file to run it again.
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.folder, f"{key}.json")
+
+    def get(self, key: str) -> dict | None:
+        """The record of `key`, or None where it was not measured."""
+        p = self.path(key)
+        return json.load(open(p)) if os.path.exists(p) else None
+
+    def put(self, key: str, measured: dict, command: str, seconds: float | None = None) -> dict:
+        """Record `measured` for `key` (written whole, then renamed: never half a record)."""
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        record = {
+            "measured": measured,
+            "command": command,
+            "commit": commit or None,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "seconds": None if seconds is None else round(seconds, 1),
+        }
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = self.path(key) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, self.path(key))
+        return record

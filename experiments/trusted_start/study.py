@@ -26,6 +26,10 @@ initialisation), run as a user would (`python -m realm_jax ...`), into --root/at
 and BM25 itself (no model: bm25s over the blocks, the sentence without its span as the query).
 Every arm is scored on the same held-out people's masked sentences: recall@1 and @5 of the
 masked fact's own document (dense retrieval over the corpus; `eval/title_recall@k`).
+Each finished arm of a seed (BM25's too) is recorded in experiments/trusted_start/ledger/
+(<world>-s<seed>-<arm>.json: its held-out history, command, commit and date), committed with
+the study: a re-run reads a recorded arm instead of running it, so the study accumulates over
+sessions whose runs/ does not last. Delete a record to measure that arm again.
 
 squad: SQuAD's held-out questions (configs/orqa.py:squad's dev split) over its 18,896 passages:
 the trusted embedder zero-shot, dense and hybrid, against BM25, recall@5 and @20, with the
@@ -45,15 +49,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:  # run as a script: the repo root, so the sibling packages import
     sys.path.insert(0, REPO)
 
 from benchmarks._report import write_section  # noqa: E402
-from experiments.tools.cli_runs import chosen_arms, done, run  # noqa: E402
+from experiments.tools.cli_runs import Ledger, chosen_arms, done, run  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "README.md")
+# every finished arm of the world study (Ledger): kept in the repository, read back on a re-run
+LEDGER = os.path.join(HERE, "ledger")
 REALM, ICT, ORQA = "configs/realm.py:world", "configs/ict.py:world", "configs/orqa.py:squad"
 ARMS = ("start", "realm", "ict", "ict_lr", "imitation")
 FOLDER = {"attributes": "attr", "described": "desc"}  # --root/<folder>-s<seed>, by world.mention
@@ -117,13 +125,51 @@ def bm25_recall(data_dir: str) -> dict[str, float]:
     return {f"recall@{k}": float(hit[:, :k].any(1).mean()) for k in KS}
 
 
+def measured(a, arm: str, root: str, paths: list[str]) -> tuple[dict, bool]:
+    """Run one arm of one seed (resuming what its workdir holds): its held-out history
+    {recall@k: {step: value}} and whether it is final (a REALM run read with --partial is not).
+    BM25 is the one arm without a model (step 0)."""
+    data = os.path.join(root, "data")
+    if arm == "BM25":
+        return {k: {0: v} for k, v in bm25_recall(data).items()}, True
+    from realm_jax.config import load_config
+
+    tc = load_config(os.path.join(REPO, REALM)).train
+    embedder_steps = int(tc.steps) - int(tc.embedders_frozen_steps)
+    wd = os.path.join(root, arm)
+    if arm == "start":
+        return history(scored(wd, root, paths, None)), True
+    if arm == "realm":
+        if a.partial and os.path.exists(os.path.join(wd, "tb")) and not done(wd):
+            print(f"{wd}: not finished; its last evaluation is read (--partial)")
+            return history(wd), False
+        if not done(wd):  # `train` resumes an unfinished run from its checkpoint
+            if os.path.exists(wd):
+                print(f"{wd}: not finished; resumed from its last checkpoint")
+            run(["train", "--config", REALM, "--workdir", wd, *paths, *start_flags()],
+                f"{wd}.log", append=True)  # fmt: skip
+        return history(wd), True
+    # ict, ict_lr, imitation: an ICT run from the trusted start, then scored
+    ict_wd = os.path.join(root, f"{arm}-ict")
+    if not done(ict_wd):
+        subprocess.run(["rm", "-rf", ict_wd], check=True)
+        extra = [f"--config.ict.positives={'bm25' if arm == 'imitation' else 'own_block'}"]
+        # as many embedder steps as REALM's (ICT's world variant: 400, from bert-tiny)
+        extra.append(f"--config.train.steps={embedder_steps}")
+        if arm == "ict_lr":  # REALM's embedder LR
+            extra.append(f"--config.train.lr={float(tc.lr) * float(tc.embedder_lr_scale)}")
+        args = ["ict", "--config", ICT, "--workdir", ict_wd, *paths]
+        run([*args, *start_flags(), *extra], f"{ict_wd}.log")
+    return history(scored(wd, root, paths, ict_wd)), True
+
+
 def world(a) -> int:
     arms = chosen_arms(argparse.ArgumentParser(), a.arms, ARMS)
     seeds = [int(s) for s in a.seeds.split(",")]
+    ledger = Ledger(LEDGER)
     results = {}  # (seed, arm) -> {recall@k: value}
     for seed in seeds:
         root = os.path.join(REPO, a.root, f"{FOLDER[a.mention]}-s{seed}")
-        os.makedirs(root, exist_ok=True)
         w, data = os.path.join(root, "world"), os.path.join(root, "data")
         paths = [
             f"--config.data.corpus={w}/corpus.jsonl",
@@ -132,51 +178,43 @@ def world(a) -> int:
             f"--config.data.seed={seed}",
             f"--config.train.seed={seed}",
         ]
-        if not os.path.exists(os.path.join(w, "world.json")):
-            shape = [f"--config.world.mention={a.mention}", f"--config.world.seed={seed}"]
-            run(["world", "--config", REALM, "--workdir", w, *shape], f"{root}/world.log")
-        if not os.path.exists(os.path.join(data, "summary.json")):
-            run(["prepare", "--config", REALM, "--workdir", root, *paths], f"{root}/prepare.log")
-        results[seed, "BM25"] = bm25_recall(data)
-        from realm_jax.config import load_config
 
-        tc = load_config(os.path.join(REPO, REALM)).train
-        embedder_steps = int(tc.steps) - int(tc.embedders_frozen_steps)
-        for arm in arms:
-            wd = os.path.join(root, arm)
-            if arm == "start":
-                h = history(scored(wd, root, paths, None))
-                results[seed, arm] = {k: v[0] for k, v in h.items()}
-            elif arm == "realm":
-                if a.partial and os.path.exists(os.path.join(wd, "tb")) and not done(wd):
-                    print(f"{wd}: not finished; its last evaluation is read (--partial)")
-                elif not done(wd):  # `train` resumes an unfinished run from its checkpoint
-                    if os.path.exists(wd):
-                        print(f"{wd}: not finished; resumed from its last checkpoint")
-                    run(["train", "--config", REALM, "--workdir", wd, *paths, *start_flags()],
-                        f"{wd}.log", append=True)  # fmt: skip
-                h = history(wd)
+        def prepared(root=root, w=w, data=data, paths=paths, seed=seed) -> None:
+            """The seed's world and its prepared data, made where an arm runs."""
+            os.makedirs(root, exist_ok=True)
+            if not os.path.exists(os.path.join(w, "world.json")):
+                shape = [f"--config.world.mention={a.mention}", f"--config.world.seed={seed}"]
+                run(["world", "--config", REALM, "--workdir", w, *shape], f"{root}/world.log")
+            if not os.path.exists(os.path.join(data, "summary.json")):
+                run(["prepare", "--config", REALM, "--workdir", root, *paths],
+                    f"{root}/prepare.log")  # fmt: skip
+
+        for arm in ["BM25", *arms]:
+            key = f"{FOLDER[a.mention]}-s{seed}-{arm}"
+            record = ledger.get(key)
+            if record is not None:  # measured before, perhaps on another machine
+                print(f"{key}: read from {os.path.relpath(ledger.path(key), REPO)} "
+                      f"(measured {record['date']} at {record['commit']})")  # fmt: skip
+                h = {k: {int(s): v for s, v in d.items()} for k, d in record["measured"].items()}
+            else:
+                t0 = time.time()
+                prepared()
+                h, finished = measured(a, arm, root, paths)
+                if finished:
+                    command = (
+                        f"python experiments/trusted_start/study.py world --mention {a.mention} "
+                        f"--seeds {seed} --arms {arm}"
+                    )
+                    saved = {k: {str(s): v for s, v in d.items()} for k, d in h.items()}
+                    ledger.put(key, saved, command, time.time() - t0)
+            if arm == "realm":
                 last = a.realm_step if a.realm_step >= 0 else max(h["recall@5"])
                 if last not in h["recall@5"]:
-                    print(f"{wd}: no evaluation at step {last} (has {sorted(h['recall@5'])})")
+                    print(f"{key}: no evaluation at step {last} (has {sorted(h['recall@5'])})")
                     return 2
                 results[seed, arm] = {k: v[last] for k, v in h.items()}
                 results[seed, arm]["step"] = last
-            else:  # ict, ict_lr, imitation: an ICT run from the trusted start, then scored
-                ict_wd = os.path.join(root, f"{arm}-ict")
-                if not done(ict_wd):
-                    subprocess.run(["rm", "-rf", ict_wd], check=True)
-                    extra = [
-                        f"--config.ict.positives={'bm25' if arm == 'imitation' else 'own_block'}"
-                    ]
-                    # as many embedder steps as REALM's (ICT's world variant: 400, from bert-tiny)
-                    extra.append(f"--config.train.steps={embedder_steps}")
-                    if arm == "ict_lr":  # REALM's embedder LR
-                        lr = float(tc.lr) * float(tc.embedder_lr_scale)
-                        extra.append(f"--config.train.lr={lr}")
-                    args = ["ict", "--config", ICT, "--workdir", ict_wd, *paths]
-                    run([*args, *start_flags(), *extra], f"{ict_wd}.log")
-                h = history(scored(wd, root, paths, ict_wd))
+            else:
                 results[seed, arm] = {k: v[0] for k, v in h.items()}
     names = ["BM25", *arms]
     steps = sorted({int(v["step"]) for (_, n), v in results.items() if n == "realm"})
@@ -227,6 +265,7 @@ def world(a) -> int:
     write_section(title, body, doc=RESULTS)
     print(body)
     name = "world_results.json" if a.mention == "attributes" else f"world_{a.mention}_results.json"
+    os.makedirs(os.path.join(REPO, a.root), exist_ok=True)
     with open(os.path.join(REPO, a.root, name), "w") as f:
         json.dump({f"{s}/{n}": v for (s, n), v in results.items()}, f, indent=1)
     return 0

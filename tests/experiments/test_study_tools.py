@@ -226,3 +226,43 @@ def test_gpu_reader_pack_round_trips_batches_weights_and_embedders(tmp_path):
         assert set(got) == set(want)
         for k in want:
             assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), (n, k)
+
+
+def test_a_world_study_reads_its_finished_arms_from_the_ledger_and_runs_nothing(
+    tmp_path, monkeypatch
+):
+    """experiments/tools/cli_runs.py Ledger (runs/ does not outlive a machine, the ledger is in
+    the repository): a record is written whole and read back; trusted_start's world study with
+    every arm recorded runs no process and tabulates the records (means over seeds by hand)."""
+    from experiments.tools import cli_runs
+    from experiments.trusted_start import study
+
+    ledger = cli_runs.Ledger(str(tmp_path / "ledger"))
+    assert ledger.get("desc-s0-start") is None
+    values = {  # (seed, arm) -> recall@5 at the step read; REALM's history has two steps
+        (0, "BM25"): 0.50, (1, "BM25"): 0.70, (0, "start"): 0.20, (1, "start"): 0.30,
+        (0, "realm"): 0.40, (1, "realm"): 0.35,
+    }  # fmt: skip
+    for (seed, arm), v in values.items():
+        steps = {"0": 0.1, "400": v} if arm == "realm" else {"0": v}
+        at1 = {"0": 0.05, "400": 0.1} if arm == "realm" else steps
+        rec = ledger.put(f"desc-s{seed}-{arm}", {"recall@1": at1, "recall@5": steps}, "cmd", 1)
+        assert rec["measured"]["recall@5"] == steps and rec["command"] == "cmd"
+    assert ledger.get("desc-s1-realm")["measured"]["recall@5"]["400"] == 0.35
+    assert not list((tmp_path / "ledger").glob("*.tmp"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a recorded arm ran: {args}")
+
+    monkeypatch.setattr(study, "LEDGER", ledger.folder)
+    monkeypatch.setattr(study, "RESULTS", str(tmp_path / "README.md"))
+    monkeypatch.setattr(study, "run", refuse)
+    monkeypatch.setattr(study, "measured", refuse)
+    root = os.path.relpath(tmp_path / "runs", REPO)
+    rc = study.main(["world", "--mention", "described", "--seeds", "0,1", "--arms",
+                     "start,realm", "--root", root])  # fmt: skip
+    assert rc == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "| realm | 10.0 (10.0 / 10.0) | 37.5 (40.0 / 35.0) |" in text
+    assert "| BM25 | 60.0 (50.0 / 70.0) | 60.0 (50.0 / 70.0) |" in text
+    assert "REALM - start, recall@5: +12.5 points (per seed +20.0, +5.0)" in text
