@@ -37,6 +37,15 @@ that did not finish is started again from step 0 (its wall time is measured whol
             has been measured so far; the study's plots (ROOT/study/plots/) copied beside the
             README when under 200 KB; the summary's Found and When lines once all three are in.
 
+Kept state: this machine's runs/ does not outlive it; the repository does. Every run of the
+script ends (a SIGTERM too: stop it with `kill -TERM -- -<its process group>`, the trainers
+checkpoint and the sweep stops its trials cleanly) by copying what the report reads into
+experiments/sweep_world/kept/ (--kept): the study's SQLite storage and each finished run's
+metrics.json, wall and objective curve, a few KB each; commit it. On a machine without ROOT
+the script first restores it: the sweep resumes from its storage (a trial that was running
+is failed by its heartbeat and retried), finished runs are not run again, and a world is made
+only where a run still needs it.
+
 --smoke: experiments/sweep_world/smoke_config.py (80 people, 12 steps, the search on held-out
 loss pruned from step 8), everything in --root (default runs/sweep-world-smoke, seed 0 too),
 4 trials, seed 0, the report into ROOT/README.md: the chain end to end in minutes, never a
@@ -52,6 +61,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -95,6 +105,7 @@ class Setup:
     smoke: bool = False
     doc: str = RESULTS  # the README the report writes
     plots_to: str = HERE  # where the study's plots are copied
+    kept: str = ""  # the study's kept state (keep()), "" for none
 
     def seed(self, seed: int) -> SeedWorld:
         """The world, data and ICT warm start of `seed` (module docstring: compare)."""
@@ -264,7 +275,14 @@ def run_sweep(setup: Setup, trials: int, workers: int, plan: bool) -> None:
     with open(job.log, "a") as f:  # a resumed study's log follows the earlier one
         f.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {job.line()}\n")
         f.flush()
-        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except BaseException:  # SIGTERM or Ctrl-C: the sweep stops its trials cleanly first
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            raise
     print(f"  done in {time.time() - t:.0f} s, exit {rc} (log {job.log})", flush=True)
     if rc == 1:  # a trial failed and was not run again: the study's table says why
         print(f"study: a trial failed (see {setup.prefix}/sweep.md); going on", flush=True)
@@ -416,6 +434,9 @@ def read_run(workdir: str, objective: str = "eval/title_recall@5") -> Run | None
         curve = read_scalars(workdir).get(objective.replace("@", "_at_"), {})
     except (FileNotFoundError, OSError, ValueError):
         pass
+    kept_curve = os.path.join(workdir, KEPT_CURVE)
+    if not curve and os.path.exists(kept_curve):  # a run restored from the kept state
+        curve = {int(k): v for k, v in json.load(open(kept_curve)).items()}
     return Run(dict(metrics.get("eval", {})), int(metrics["step"]), wall, curve)
 
 
@@ -855,6 +876,97 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
         )
 
 
+# ---------------------------------------------------------------- the kept state
+
+KEPT = os.path.join(HERE, "kept")  # the real study's kept state, committed with the study
+KEPT_CURVE = "kept_curve.json"  # a restored run's objective curve (its TensorBoard is not kept)
+
+
+def finished_workdirs(setup: Setup, study) -> list[str]:
+    """The workdirs whose ends the report reads, as paths under ROOT: the study's complete and
+    pruned trials', and the unpruned and compare stages' finished runs."""
+    out = []
+    if study is None:
+        return out
+    for t in study.get_trials(deepcopy=False):
+        wd = t.user_attrs.get("workdir", "")
+        if t.state.name in ("COMPLETE", "PRUNED") and wd.startswith(setup.root + os.sep):
+            out.append(wd)
+    jobs = unpruned_jobs(setup, study)
+    best = best_params(study)
+    if best is not None:
+        jobs += compare_jobs(setup, best, [0, 1, 2])
+    return out + [j.workdir for j in jobs if done(j.workdir)]
+
+
+def keep(setup: Setup) -> None:
+    """Copy what the report reads into setup.kept: the study's storage (SQLite's backup, so a
+    consistent copy) and each finished run's metrics.json, its wall (<workdir>.run.json) and
+    objective curve, a few KB each. Training workdirs (checkpoints, hundreds of MB) are not
+    kept: this machine's runs/ does not outlive it, the repository does, so a study of several
+    sessions resumes from here (restore())."""
+    import sqlite3
+
+    if not setup.kept or open_study(setup) is None:
+        return
+    study = open_study(setup)
+    os.makedirs(setup.kept, exist_ok=True)
+    tmp = os.path.join(setup.kept, "study.db.tmp")
+    src, dst = sqlite3.connect(os.path.join(setup.prefix, "study.db")), sqlite3.connect(tmp)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    os.replace(tmp, os.path.join(setup.kept, "study.db"))
+    objective = study_attrs(study).get("objective", "eval/title_recall@5")
+    n = 0
+    for wd in finished_workdirs(setup, study):
+        to = os.path.join(setup.kept, "runs", os.path.relpath(wd, setup.root))
+        if not os.path.exists(os.path.join(wd, "metrics.json")):
+            continue  # a trial that ended before its first evaluation
+        os.makedirs(to, exist_ok=True)
+        shutil.copyfile(os.path.join(wd, "metrics.json"), os.path.join(to, "metrics.json"))
+        if os.path.exists(wd + ".run.json"):
+            shutil.copyfile(wd + ".run.json", to + ".run.json")
+        r = read_run(wd, objective)
+        if r is not None and r.curve:
+            with open(os.path.join(to, KEPT_CURVE), "w") as f:
+                json.dump({str(k): v for k, v in sorted(r.curve.items())}, f)
+        n += 1
+    print(f"kept: the study and {n} finished runs' ends in {rel(setup.kept)}", flush=True)
+
+
+def restore(setup: Setup) -> None:
+    """What keep() copied, put back where ROOT lacks it: the study's storage (so the sweep
+    resumes: a trial that was running is failed by its heartbeat and retried) and the finished
+    runs' ends (so they are not run again; their checkpoints are gone)."""
+    kept_db = os.path.join(setup.kept, "study.db") if setup.kept else ""
+    if not kept_db or not os.path.exists(kept_db):
+        return
+    n = 0
+    if not os.path.exists(os.path.join(setup.prefix, "study.db")):
+        os.makedirs(setup.prefix, exist_ok=True)
+        shutil.copyfile(kept_db, os.path.join(setup.prefix, "study.db"))
+        n += 1
+    runs = os.path.join(setup.kept, "runs")
+    for here, _, files in os.walk(runs):
+        if "metrics.json" not in files:
+            continue
+        wd = os.path.join(setup.root, os.path.relpath(here, runs))
+        if os.path.exists(os.path.join(wd, "metrics.json")):
+            continue
+        os.makedirs(wd, exist_ok=True)
+        for name in ("metrics.json", KEPT_CURVE):
+            if name in files:
+                shutil.copyfile(os.path.join(here, name), os.path.join(wd, name))
+        if os.path.exists(here + ".run.json"):
+            shutil.copyfile(here + ".run.json", wd + ".run.json")
+        n += 1
+    if n:
+        print(f"restored from {rel(setup.kept)}: {n} of the study's parts", flush=True)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -867,6 +979,13 @@ def main(argv=None) -> int:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     p.add_argument("--plan", action="store_true", help="print each stage's runs; run nothing")
     p.add_argument("--smoke", action="store_true", help="the chain, tiny (module docstring)")
+    p.add_argument(
+        "--kept",
+        default=None,
+        help="where the study's state is kept between machines (keep()): default "
+        "experiments/sweep_world/kept for the study in its default --root, ROOT/kept for "
+        "--smoke or another --root; '' for none",
+    )
     a = p.parse_args(argv)
     stages = [s for s in a.stages.split(",") if s]
     unknown = [s for s in stages if s not in STAGES]
@@ -879,9 +998,14 @@ def main(argv=None) -> int:
     trials = a.trials or (4 if a.smoke else 12)
     if trials < 1 or a.workers < 1:
         p.error("--trials and --workers: at least 1")
-    root = a.root or ("runs/sweep-world-smoke" if a.smoke else "runs/sweep-world")
+    default_root = "runs/sweep-world-smoke" if a.smoke else "runs/sweep-world"
+    root = a.root or default_root
     root = root if os.path.isabs(root) else os.path.join(REPO, root)
-    setup = Setup(root)
+    kept = a.kept
+    if kept is None:
+        mine = not a.smoke and root == os.path.join(REPO, default_root)
+        kept = KEPT if mine else os.path.join(root, "kept")
+    setup = Setup(root, kept=kept and os.path.join(REPO, kept))
     if a.smoke:
         setup = Setup(
             root,
@@ -890,11 +1014,45 @@ def main(argv=None) -> int:
             smoke=True,
             doc=os.path.join(root, "README.md"),
             plots_to=root,
+            kept=setup.kept,
         )
-    if not a.plan:
-        os.makedirs(root, exist_ok=True)
+    if a.plan:
+        return stages_of(setup, stages, trials, seeds, a)
+    os.makedirs(root, exist_ok=True)
+    restore(setup)
+    # a SIGTERM (a session's end) ends the stages as an exception does, so the state is kept
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return stages_of(setup, stages, trials, seeds, a)
+    finally:
+        keep(setup)
+
+
+def needs_world(setup: Setup, stages, trials: int, seed: int, best=None) -> bool:
+    """Whether a chosen stage still has a run on `seed`'s world to do."""
+    study = open_study(setup)
+    if seed == 0:
+        if "study" in stages and not study_finished(study, trials):
+            return True
+        if "unpruned" in stages and study is not None:
+            if any(not done(j.workdir) for j in unpruned_jobs(setup, study)):
+                return True
+    if "compare" in stages and study is not None:
+        best = best or best_params(study)
+        if best is None:  # compare's runs come from the best trial, not known yet
+            return seed == 0 and "study" in stages
+        return any(not done(j.workdir) for j in compare_jobs(setup, best, [seed]))
+    return False
+
+
+def stages_of(setup: Setup, stages: list[str], trials: int, seeds: list[int], a) -> int:
+    """Run (or with a.plan, print) the chosen stages in order; a world only where a run that
+    has not finished needs it (a study restored from its kept state may need none)."""
     if "world" in stages:
-        make_world(setup, 0, a.plan)
+        if needs_world(setup, stages, trials, 0):
+            make_world(setup, 0, a.plan)
+        else:
+            print("world s0: not needed (every run on it has finished)", flush=True)
     if "study" in stages:
         run_sweep(setup, trials, a.workers, a.plan)
     study = open_study(setup)
@@ -909,7 +1067,8 @@ def main(argv=None) -> int:
             print("compare: no complete trial yet (the study stage first)", flush=True)
         else:
             for seed in seeds:
-                make_world(setup, seed, a.plan)
+                if needs_world(setup, ["compare"], trials, seed, best):
+                    make_world(setup, seed, a.plan)
             run_jobs(compare_jobs(setup, best, seeds), a.workers, a.plan)
     if "report" in stages and not a.plan:
         report(setup, seeds, a.workers)

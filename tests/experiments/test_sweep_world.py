@@ -226,3 +226,38 @@ def test_unknown_stage_is_refused(capsys, tmp_path):
         S.main(["--stages", "study,bogus", "--root", str(tmp_path / "x")])
     assert "unknown stages ['bogus']" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_the_kept_state_brings_a_study_back_on_a_machine_that_lost_its_runs(root, tmp_path, capsys):
+    """keep() -> the machine loses ROOT -> restore(): the study resumes from its storage, the
+    finished runs' ends (metrics, wall, curve) read as before and are not run again, and no
+    world is made for runs that have all finished."""
+    import shutil
+
+    kept = str(tmp_path / "kept")
+    setup = S.Setup(root, kept=kept)
+    finished_run(os.path.join(root, "study", "n0"), r5=0.60)  # a complete trial's workdir
+    for name, wall, r5 in (("n2", 110, 0.65), ("n3", 100, 0.55)):
+        wd = os.path.join(root, "unpruned", name)
+        finished_run(wd, wall=wall, r5=r5)
+        with open(os.path.join(wd, S.KEPT_CURVE), "w") as f:  # stands in for its TensorBoard
+            json.dump({"250": r5 - 0.1, "400": r5}, f)
+    before = {n: S.read_run(os.path.join(root, "unpruned", n)) for n in ("n2", "n3")}
+    S.keep(setup)
+    assert "kept: the study and 3 finished runs' ends" in capsys.readouterr().out
+    shutil.rmtree(root)  # the machine's runs/ is gone; the repository's kept state is not
+    S.restore(setup)
+    assert "restored from" in capsys.readouterr().out
+    study = S.open_study(setup)
+    assert S.study_finished(study, 4) and len(S.study_trials(study)) == len(TRIALS)
+    after = {n: S.read_run(os.path.join(root, "unpruned", n)) for n in ("n2", "n3")}
+    assert after == before and after["n2"].curve == {250: 0.55, 400: 0.65}
+    assert after["n2"].wall_s == 110 and after["n3"].metric("eval/title_recall@5") == 0.55
+    assert json.load(open(os.path.join(root, "study", "n0", "metrics.json")))["complete"]
+    S.restore(setup)  # nothing missing: nothing copied over what is there
+    assert "restored" not in capsys.readouterr().out
+    args = ["--root", root, "--kept", kept, "--trials", "4", "--stages", "world,study,unpruned"]
+    assert S.main([*args, "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "world s0: not needed" in out and "would run" not in out
+    assert "n2: finished already" in out and "n3: finished already" in out
