@@ -36,7 +36,7 @@ $(TEST_MODEL_STAMP): $(STAMP)
 # Test tiers (docs/testing.md): a test's folder is its tier (a long variant marked system runs
 # in test-system).
 # `make test` is what CI runs: unit + integration (the CLI, fake GCS, 2-process jobs), goal <= 15 min
-# on a 2-core machine (measured 10.0-10.1 min with the install, three times: docs/testing.md).
+# on a 2-core machine (its measurements: docs/testing.md).
 test: $(STAMP) $(TEST_MODEL_STAMP)
 	$(PY) -m compileall -q realm_jax acceptance > /dev/null
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow and not system" \
