@@ -79,6 +79,38 @@ def metrics(root: str, retriever: str) -> dict:
     return json.load(open(found[0])) if found else {}
 
 
+def predictions(root: str, retriever: str) -> str:
+    """evaluate's predictions file for `retriever` ("" before it ran)."""
+    import glob
+
+    found = sorted(glob.glob(os.path.join(root, "qa", "eval", f"*.{retriever}.predictions.jsonl")))
+    return found[0] if found else ""
+
+
+def against_bm25(root: str, retriever: str) -> str:
+    """Exact match of `retriever` against BM25's on the same questions: gained, lost, p."""
+    from experiments.tools import paired_retrieval as paired
+
+    if retriever == "bm25" or not predictions(root, "bm25") or not predictions(root, retriever):
+        return ""
+    c = paired.compare(
+        paired.load(predictions(root, "bm25")),
+        paired.load(predictions(root, retriever)),
+        paired.EXACT_MATCH,
+    )
+    return f"{c['gained']} gained, {c['lost']} lost, p = {c['p']:.2g}"
+
+
+def index_seconds(log: str) -> float | None:
+    """The reading phase's frozen index time, from its log's `embedded N blocks in S s`."""
+    import re
+
+    if not os.path.exists(log):
+        return None
+    found = re.findall(r"embedded \d+ blocks in ([\d.]+) s \(the frozen index\)", open(log).read())
+    return float(found[-1]) if found else None
+
+
 def write(root: str, done: dict, argv: list[str]) -> None:
     rows = [
         f"| `{name}` | {r['seconds'] / 60:.1f}"
@@ -104,8 +136,16 @@ def write(root: str, done: dict, argv: list[str]) -> None:
         if m:
             ems.append(
                 f"| {r} | {100 * m.get('exact_match', 0):.1f} | {100 * m.get('recall@5', 0):.1f} | "
-                f"{100 * m.get('recall@20', 0):.1f} | {int(m.get('questions', 0))} |"
+                f"{100 * m.get('recall@20', 0):.1f} | {int(m.get('questions', 0))} | "
+                f"{against_bm25(root, r)} |"
             )
+    index_s = index_seconds(os.path.join(root, "finetune.log"))
+    index_note = (
+        f" Of the reading phase, {index_s / 60:.1f} min embedded the corpus with all-MiniLM-L6-v2 "
+        "(its frozen index, once); the rest is its training steps and held-out evaluation."
+        if index_s
+        else ""
+    )
     text = f"""# The own-corpus recipe, stage by stage
 
 What each stage of the README's own-corpus recipe costs on this project's machine
@@ -125,15 +165,17 @@ config they start from (`run_config.json`,
 |---|---|---|---|
 {chr(10).join(rows)}
 {(chr(10) + chr(10).join(stopped) + chr(10)) if stopped else ""}
-Peak memory is the stage's process's maximum resident set (ru_maxrss). The machine is shared:
-{load_note}. On a GPU: not measured (no device was lent to this session).
+Peak memory is the stage's process's maximum resident set (ru_maxrss).{index_note} The machine
+is shared: {load_note}. On a GPU: not measured (no device was lent to this session).
 
 Held-out exact match of the recipe's model (configs/orqa.py:own_read's dev split: the held-out
-articles' questions), reading each retriever's top 5:
+articles' questions), reading each retriever's top 5; against BM25: the questions it answers and
+BM25 does not (gained), the reverse (lost), and the exact two-sided sign test on them
+(experiments/tools/paired_retrieval.py):
 
-| retriever | exact match % | recall@5 % | recall@20 % | questions |
-|---|---|---|---|---|
-{chr(10).join(ems) or "| (not yet run) | | | | |"}
+| retriever | exact match % | recall@5 % | recall@20 % | questions | exact match against BM25 |
+|---|---|---|---|---|---|
+{chr(10).join(ems) or "| (not yet run) | | | | | |"}
 
 REALM's adaptation stage (README: `train`, then `finetune --config configs/orqa.py:own`) is not
 part of these figures: on SQuAD it re-embeds the corpus with MiniLM every 50 steps, not timed.
@@ -173,6 +215,7 @@ def main() -> int:
         if done[name]["rc"] != 0:
             print(f"stage {name} did not finish ({result['rc']}): see {log}", file=sys.stderr)
             return 1
+    write(root, done, sys.argv[1:])  # every stage done: the page from what they measured
     return 0
 
 
