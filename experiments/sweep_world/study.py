@@ -1016,10 +1016,10 @@ def main(argv=None) -> int:
             plots_to=root,
             kept=setup.kept,
         )
+    os.makedirs(root, exist_ok=True)
+    restore(setup)  # --plan too: on a machine that lost ROOT it plans from the kept state
     if a.plan:
         return stages_of(setup, stages, trials, seeds, a)
-    os.makedirs(root, exist_ok=True)
-    restore(setup)
     # a SIGTERM (a session's end) ends the stages as an exception does, so the state is kept
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

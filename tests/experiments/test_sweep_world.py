@@ -256,8 +256,10 @@ def test_the_kept_state_brings_a_study_back_on_a_machine_that_lost_its_runs(root
     assert json.load(open(os.path.join(root, "study", "n0", "metrics.json")))["complete"]
     S.restore(setup)  # nothing missing: nothing copied over what is there
     assert "restored" not in capsys.readouterr().out
+    shutil.rmtree(root)  # --plan on a machine without ROOT plans from the kept state
     args = ["--root", root, "--kept", kept, "--trials", "4", "--stages", "world,study,unpruned"]
     assert S.main([*args, "--plan"]) == 0
     out = capsys.readouterr().out
+    assert "restored from" in out
     assert "world s0: not needed" in out and "would run" not in out
     assert "n2: finished already" in out and "n3: finished already" in out
