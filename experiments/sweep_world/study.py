@@ -32,7 +32,8 @@ that did not finish is started again from step 0 (its wall time is measured whol
             data.seed and train.seed, its own world, held-out people, ICT warm start and
             initialisation, made in ROOT/seed<seed>/; seed 0 is the recipe's own runs/world,
             the world the search chose on (its held-out sentences are the objective's), so
-            seeds 1 and 2 are the comparison the search never saw.
+            seeds 1 and 2 are the comparison the search never saw. The best arm at seed 0 is
+            the study's own trial (ROOT/study/<name>, the same command), not trained twice.
   report    the README's sections (the trials, the pruning, best against the recipe) from what
             has been measured so far; the study's plots (ROOT/study/plots/) copied beside the
             README when under 200 KB; the summary's Found and When lines once all three are in.
@@ -494,7 +495,10 @@ def best_params(study) -> tuple[str, dict] | None:
 
 
 def compare_jobs(setup: Setup, best: tuple[str, dict], seeds: list[int]) -> list[Job]:
-    """The recipe and the best trial's params at each seed: ROOT/compare/<arm>-s<seed>."""
+    """The recipe and the best trial's params at each seed: ROOT/compare/<arm>-s<seed>. At
+    seed 0 the best arm is the study's own finished trial (ROOT/study/<name>) where it is
+    there: the same command on the same world and seeds (the sweep passes seed 0's flags),
+    so it is not trained a second time."""
     from realm_jax.sweep import space
 
     name, params = best
@@ -503,6 +507,9 @@ def compare_jobs(setup: Setup, best: tuple[str, dict], seeds: list[int]) -> list
         w = setup.seed(seed)
         for arm, over in (("recipe", []), (name, space.overrides(params))):
             wd = os.path.join(setup.root, "compare", f"{arm}-s{seed}")
+            trial_wd = os.path.join(setup.prefix, name)
+            if seed == 0 and arm == name and done(trial_wd):
+                wd = trial_wd
             args = ["local", "--config", setup.realm, "--workdir", wd]
             args += flags([*w.realm_flags, *over])
             log = setup.logs(f"compare-{arm}-s{seed}")
@@ -714,7 +721,12 @@ def pruning_section(trials: list[Trial], to_end: dict[str, Run], s: dict, object
 
 
 def compare_section(
-    results: dict, arms: tuple[str, str], seeds: list[int], p: dict, spec: str = REALM
+    results: dict,
+    arms: tuple[str, str],
+    seeds: list[int],
+    p: dict,
+    spec: str = REALM,
+    reused: bool = False,
 ) -> str:
     first, second = arms
     lines = [
@@ -736,11 +748,18 @@ def compare_section(
         f"{pct(m1['mean'][second])} | {pct(m5['mean'][second])} | {100 * m1['mean_diff']:+.1f} "
         f"| {100 * m5['mean_diff']:+.1f} |"
     )
+    reuse = (
+        f" At seed 0 the best arm is the study's own trial (`ROOT/study/{second}`): the same "
+        "command on the same world and seeds, not trained twice."
+        if reused
+        else ""
+    )
     out = [
         f"The study's best trial ({second}) and the recipe (`{spec}` as it is), each trained "
         "to the end at each seed (`ROOT/compare/<arm>-s<seed>`); a seed is the world "
         "study's: its own world, held-out people, ICT warm start and initialisation "
-        "(world.seed, data.seed, train.seed). Held-out title recall@k (%) at the last step.",
+        "(world.seed, data.seed, train.seed). Held-out title recall@k (%) at the last step."
+        + reuse,
         "",
         "\n".join(lines),
         "",
@@ -851,8 +870,9 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
     if best is None:
         print("report: no complete trial: nothing to compare", flush=True)
         return
-    results = {}
+    results, reused = {}, False
     for j in compare_jobs(setup, best, seeds):
+        reused |= j.workdir.startswith(setup.prefix + os.sep)
         r = read_run(j.workdir, objective)
         if r is not None:
             results[j.key] = {f"recall@{k}": r.metric(f"eval/title_recall@{k}") for k in KS}
@@ -861,7 +881,7 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
         print(f"report: best against recipe: {len(results)} of {2 * len(seeds)} runs", flush=True)
         return
     p = paired(results, arms, seeds)
-    body = compare_section(results, arms, seeds, p, setup.realm)
+    body = compare_section(results, arms, seeds, p, setup.realm, reused)
     write_section(SECTIONS[2], body, doc=setup.doc)
     if s is not None and os.path.exists(setup.doc):
         from experiments.tools.stage_stamp import commit
@@ -896,7 +916,7 @@ def finished_workdirs(setup: Setup, study) -> list[str]:
     best = best_params(study)
     if best is not None:
         jobs += compare_jobs(setup, best, [0, 1, 2])
-    return out + [j.workdir for j in jobs if done(j.workdir)]
+    return out + [j.workdir for j in jobs if done(j.workdir) and j.workdir not in out]
 
 
 def keep(setup: Setup) -> None:

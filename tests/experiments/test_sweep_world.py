@@ -118,6 +118,14 @@ def test_stages_plan_the_pruned_trials_runs_to_the_end_and_the_seeds(root, capsy
     assert f"--config.model.init_embedders_from_ict={ict}" in seed1
     assert jobs["recipe", 1].workdir == os.path.join(root, "compare", "recipe-s1")
     # the world of seed 1 is made in ROOT/seed1 (world.seed=1), then prepared, then ICT
+    assert jobs["n0", 0].workdir == os.path.join(root, "compare", "n0-s0")
+    # once the best trial's own run has finished it is seed 0's best arm (the same command on
+    # the same world and seeds), not trained again; seed 1's is still its own run
+    finished_run(os.path.join(root, "study", "n0"), r5=0.60)
+    again = {j.key: j for j in S.compare_jobs(setup, best, [0, 1])}
+    assert again["n0", 0].workdir == os.path.join(root, "study", "n0")
+    assert again["n0", 1].workdir == os.path.join(root, "compare", "n0-s1")
+    assert again["recipe", 0].workdir == os.path.join(root, "compare", "recipe-s0")
     made = S.world_jobs(setup, 1)
     assert [j.name for j in made] == ["world-s1", "prepare-s1", "ict-s1"]
     assert "--config.world.seed=1" in made[0].args
@@ -219,6 +227,13 @@ def test_report_writes_the_sections_the_plots_and_the_summary(root, tmp_path):
     assert "(lr=0.0005, embedder_lr_scale=0.1, num_candidates=8)" in lines[4]
     assert "62.5% against 55.0%, +7.5 points [-5.0, +20.0]" in lines[4]
     assert "pruning saved 16% of the steps" in lines[4] and "regret +5.0 points" in lines[4]
+    assert "the study's own trial" not in text
+    # the best trial's own finished run stands for its seed-0 arm, and the section says so
+    finished_run(os.path.join(root, "study", "n0"), r1=0.45, r5=0.75)
+    S.report(setup, [0, 1])
+    text = doc.read_text()
+    assert "At seed 0 the best arm is the study's own trial (`ROOT/study/n0`)" in text
+    assert "| 0 (the search's world) | 30.0 | 50.0 | 45.0 | 75.0 | +15.0 | +25.0 |" in text
 
 
 def test_unknown_stage_is_refused(capsys, tmp_path):
