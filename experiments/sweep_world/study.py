@@ -25,7 +25,10 @@ that did not finish is started again from step 0 (its wall time is measured whol
             the study stored them), as many at once as the study had workers, so that a run's
             wall is measured beside another as the trials' were. From these: the compute
             pruning saved (steps, and wall) against the same trials all run to the end, and its
-            regret (a pruned trial whose end beats the study's best).
+            regret (a pruned trial whose end beats the study's best). A pruned trial whose
+            checkpoint at its last step is still on this machine is continued from it in a
+            copy of its workdir (the same trial run on; its wall the trial's plus the rest's)
+            instead of trained from step 0; those go first.
   compare   the study's best trial's params and the recipe (no overrides), each over --seeds,
             into ROOT/compare/<arm>-s<seed> (<arm>: recipe, or the best trial's name). A seed
             is the world study's (experiments/world/world_study.py --seed): world.seed,
@@ -168,6 +171,8 @@ class Job:
     workdir: str
     log: str
     key: tuple = ()  # compare: (arm, seed)
+    source: str = ""  # unpruned: the pruned trial's workdir to continue from ("" from step 0)
+    base_wall: float | None = None  # unpruned, continued: the trial's own wall up to there
 
     def line(self) -> str:
         return shlex.join(["python", "-m", "realm_jax", *self.args])
@@ -359,8 +364,26 @@ def trial_overrides(attrs: dict, params: dict) -> list[str]:
 # ---------------------------------------------------------------- stage 3: run to the end
 
 
+def checkpoint_at(workdir: str, step: int | None) -> bool:
+    """Whether `workdir` holds a committed checkpoint of `step` and none after it: a pruned
+    trial's own end, still on this machine (a restored trial's workdir has only its metrics)."""
+    ckpt = os.path.join(workdir, "checkpoints")
+    if step is None or not os.path.isdir(ckpt):
+        return False
+    steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
+    committed = [n for n in steps if os.path.exists(os.path.join(ckpt, str(n), COMMITTED))]
+    return max(committed, default=-1) == step
+
+
+COMMITTED = "commit_success.txt"  # Orbax's marker of a checkpoint written whole
+
+
 def unpruned_jobs(setup: Setup, study) -> list[Job]:
-    """Every PRUNED trial's run to the end: ROOT/unpruned/<its name>, its spec and overrides."""
+    """Every PRUNED trial's run to the end: ROOT/unpruned/<its name>, its spec and overrides.
+    A trial whose checkpoint at the step it was pruned is still on this machine is continued
+    from it (`source`: a copy of its workdir, so the trial's own stays as it ended), the others
+    are trained from step 0; the continued ones first, as their checkpoints do not outlive the
+    machine."""
     attrs = study_attrs(study)
     spec = attrs.get("spec", setup.realm)
     jobs = []
@@ -370,8 +393,15 @@ def unpruned_jobs(setup: Setup, study) -> list[Job]:
         wd = os.path.join(setup.root, "unpruned", t.name)
         args = ["local", "--config", spec, "--workdir", wd]
         args += flags(trial_overrides(attrs, t.params))
-        jobs.append(Job(t.name, args, wd, setup.logs(f"unpruned-{t.name}")))
-    return jobs
+        trial_wd = os.path.join(setup.prefix, t.name)
+        source = trial_wd if checkpoint_at(trial_wd, t.step) and t.wall_s else ""
+        log = setup.logs(f"unpruned-{t.name}")
+        jobs.append(Job(t.name, args, wd, log, source=source, base_wall=t.wall_s))
+    return sorted(jobs, key=lambda j: not j.source)
+
+
+# a pruned trial's files that are not the run's: the sweep's marker, its log and the lock
+NOT_COPIED = ("PRUNED", "sweep.log", "trainer.lock")
 
 
 def run_jobs(jobs: list[Job], parallel: int, plan: bool) -> None:
@@ -384,15 +414,24 @@ def run_jobs(jobs: list[Job], parallel: int, plan: bool) -> None:
             print(f"{j.name}: finished already ({j.workdir})", flush=True)
     if plan:
         for j in todo:
-            print(f"would run: {rel(j.line())}")
+            also = f" (continuing {rel(j.source)} from its checkpoint)" if j.source else ""
+            print(f"would run: {rel(j.line())}{also}")
         return
 
     def one(j: Job) -> None:
         if os.path.exists(j.workdir):
             shutil.rmtree(j.workdir)
+        record = {"command": j.line()}
+        if j.source:  # continued from the pruned trial's checkpoint: its copy resumes there
+            shutil.copytree(j.source, j.workdir, ignore=shutil.ignore_patterns(*NOT_COPIED))
+            step = json.load(open(os.path.join(j.source, "metrics.json"))).get("step")
+            record |= {"continued_from": j.source, "from_step": step, "trial_wall_s": j.base_wall}
         wall = run(j.args, j.log)
+        if j.source:
+            record["continuation_wall_s"] = wall
+            wall += j.base_wall  # the trial's wall to where it stopped + the rest
         with open(j.workdir + ".run.json", "w") as f:
-            json.dump({"wall_s": wall, "command": j.line()}, f, indent=1)
+            json.dump({"wall_s": wall, **record}, f, indent=1)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
         futures = {pool.submit(one, j): j for j in todo}
@@ -411,6 +450,7 @@ class Run:
     step: int
     wall_s: float | None
     curve: dict  # {step: objective}
+    from_step: int | None = None  # continued from a pruned trial's checkpoint at this step
 
     def metric(self, key: str) -> float | None:
         v = self.eval.get(key.removeprefix("eval/"))
@@ -423,9 +463,10 @@ def read_run(workdir: str, objective: str = "eval/title_recall@5") -> Run | None
     if not done(workdir):
         return None
     metrics = json.load(open(os.path.join(workdir, "metrics.json")))
-    wall = None
+    wall, from_step = None, None
     if os.path.exists(workdir + ".run.json"):
-        wall = json.load(open(workdir + ".run.json")).get("wall_s")
+        record = json.load(open(workdir + ".run.json"))
+        wall, from_step = record.get("wall_s"), record.get("from_step")
     if wall is None:
         wall = metrics.get("goodput_split", {}).get("wall")
     curve = {}
@@ -438,7 +479,7 @@ def read_run(workdir: str, objective: str = "eval/title_recall@5") -> Run | None
     kept_curve = os.path.join(workdir, KEPT_CURVE)
     if not curve and os.path.exists(kept_curve):  # a run restored from the kept state
         curve = {int(k): v for k, v in json.load(open(kept_curve)).items()}
-    return Run(dict(metrics.get("eval", {})), int(metrics["step"]), wall, curve)
+    return Run(dict(metrics.get("eval", {})), int(metrics["step"]), wall, curve, from_step)
 
 
 def savings(trials: list[Trial], to_end: dict[str, Run], objective: str, maximize: bool) -> dict:
@@ -673,11 +714,12 @@ def pruning_section(trials: list[Trial], to_end: dict[str, Run], s: dict, object
         r = to_end[t.name]
         end = r.metric(objective)
         again = r.curve.get(t.step) if t.step is not None else None
+        again_cell = obj.cell(again) if r.from_step is None else "continued from there"
         above = "yes" if t.name in s["beaten"] else "no"
         if best_value is None or end is None:
             above = ""
         lines.append(
-            f"| {t.number} | {t.step} | {obj.cell(t.value)} | {obj.cell(again)} | "
+            f"| {t.number} | {t.step} | {obj.cell(t.value)} | {again_cell} | "
             f"{obj.cell(end)} | {r.step} "
             f"| {minutes(r.wall_s)} | {above} |"
         )
@@ -686,7 +728,10 @@ def pruning_section(trials: list[Trial], to_end: dict[str, Run], s: dict, object
         "(`python -m realm_jax local --config ... --workdir ROOT/unpruned/<trial> "
         "--config.<param>=...`, as many at once as the study's workers). The same trials all "
         "run to the end are the study without pruning, as far as its trials go: without "
-        "pruning TPE would have seen other values and proposed other points.",
+        "pruning TPE would have seen other values and proposed other points. A trial whose "
+        "checkpoint at the step it was pruned was still on the machine (pruned in the session "
+        "that ran this stage) was instead continued from it, in a copy of its workdir: the "
+        "same trial run on, its wall the trial's to there plus the continuation's.",
         "",
         "\n".join(lines) if pruned else "No trial was pruned.",
         "",

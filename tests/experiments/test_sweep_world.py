@@ -278,3 +278,57 @@ def test_the_kept_state_brings_a_study_back_on_a_machine_that_lost_its_runs(root
     assert "restored from" in out
     assert "world s0: not needed" in out and "would run" not in out
     assert "n2: finished already" in out and "n3: finished already" in out
+
+
+def test_a_pruned_trial_still_on_the_machine_is_continued_from_its_checkpoint(
+    root, monkeypatch, capsys
+):
+    """The unpruned stage: n3 (pruned at step 300, 80 s) still has its checkpoint at 300, so
+    it is continued from a copy of its workdir, first; n2 (restored: no checkpoint) is trained
+    from step 0. The continued run's wall is the trial's plus the continuation's."""
+    trial = os.path.join(root, "study", "n3")
+    for step in (100, 300):
+        os.makedirs(os.path.join(trial, "checkpoints", str(step)))
+        open(os.path.join(trial, "checkpoints", str(step), "commit_success.txt"), "w").close()
+    os.makedirs(os.path.join(trial, "tb"))
+    for name, text in (("PRUNED", "{}"), ("trainer.lock", ""), ("sweep.log", "trial's")):
+        open(os.path.join(trial, name), "w").write(text)
+    json.dump({"complete": False, "step": 300}, open(os.path.join(trial, "metrics.json"), "w"))
+    assert S.checkpoint_at(trial, 300) and not S.checkpoint_at(trial, 250)
+    os.makedirs(os.path.join(trial, "checkpoints", "350"))  # not committed: still the end
+    assert S.checkpoint_at(trial, 300)
+    open(os.path.join(trial, "checkpoints", "350", "commit_success.txt"), "w").close()
+    assert not S.checkpoint_at(trial, 300)  # it trained past where it was pruned
+    import shutil
+
+    shutil.rmtree(os.path.join(trial, "checkpoints", "350"))
+    setup = S.Setup(root)
+    study = S.open_study(setup)
+    jobs = S.unpruned_jobs(setup, study)
+    assert [(j.name, j.source, j.base_wall) for j in jobs] == [("n3", trial, 80), ("n2", "", 60)]
+    seen = []
+
+    def fake_run(args, log):
+        wd = args[args.index("--workdir") + 1]
+        seen.append(sorted(os.listdir(wd)) if os.path.exists(wd) else None)
+        os.makedirs(wd, exist_ok=True)
+        finished_run(wd, r5=0.5)
+        return 30.0
+
+    monkeypatch.setattr(S, "run", fake_run)
+    S.run_jobs(jobs, 1, plan=False)
+    assert seen == [["checkpoints", "metrics.json", "tb"], None]  # a copy without the trial's
+    assert os.path.exists(os.path.join(trial, "PRUNED"))  # the trial's own is as it ended
+    assert json.load(open(os.path.join(trial, "metrics.json")))["step"] == 300
+    rec = json.load(open(os.path.join(root, "unpruned", "n3") + ".run.json"))
+    assert rec["wall_s"] == 110 and rec["from_step"] == 300
+    assert rec["trial_wall_s"] == 80 and rec["continuation_wall_s"] == 30
+    assert json.load(open(os.path.join(root, "unpruned", "n2") + ".run.json"))["wall_s"] == 30
+    to_end = {j.name: S.read_run(j.workdir) for j in jobs}
+    assert to_end["n3"].from_step == 300 and to_end["n2"].from_step is None
+    trials = S.study_trials(study)
+    s = S.savings(trials, to_end, "eval/title_recall@5", maximize=True)
+    assert s["wall_s"]["to_end"] == 100 + 120 + 30 + 110
+    text = S.pruning_section(trials, to_end, s, "eval/title_recall@5")
+    assert "| 3 | 300 | 42.0 | continued from there | 50.0 | 400 | 1m50s | no |" in text
+    assert "| 2 | 250 | 30.0 |  | 50.0 | 400 | 0m30s | no |" in text
