@@ -3,7 +3,9 @@
 One row per trial, in trial order: its number and name, its state (COMPLETE, PRUNED at step S,
 FAIL with why and the trial that retried it, RUNNING, WAITING), the objective's value, the run's
 last step, its params as overrides, its wall time and workdir, then what the run wrote in
-WORKDIR/metrics.json: the final train metrics and the latest held-out evaluation. The CSV has
+WORKDIR/metrics.json: the final train metrics and the latest held-out evaluation (for the last
+trial that ran in a workdir only: a failed trial retried in place shows its reason, not its
+retry's metrics). The CSV has
 every metric; the markdown the ones the task prints on the console. sweep.md ends with the best
 trial and its config as a ready command. Plots (optuna.visualization.matplotlib, Agg): the
 optimization history, the parameter importances (from 2 complete trials, with more than one
@@ -71,11 +73,15 @@ def rows(study, prefix: str) -> list[dict]:
 
     trials = study.get_trials(deepcopy=False)
     retried_by = _retried_by(trials)
+    # the last trial to use a workdir owns what is in it: an earlier one there (a failed trial
+    # its retry ran again in place) shows no metrics, not its retry's
+    owner = {t.user_attrs.get("workdir", ""): t.number for t in trials}
     out = []
     for t in trials:
         params = trial_params(t)
         workdir = t.user_attrs.get("workdir", "")
-        metrics = _read_json(metrics_path(workdir)) if workdir else {}
+        mine = workdir and owner.get(workdir) == t.number
+        metrics = _read_json(metrics_path(workdir)) if mine else {}
         end = t.datetime_complete or (datetime.datetime.now() if t.datetime_start else None)
         row = {
             "trial": t.number,

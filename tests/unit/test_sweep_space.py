@@ -309,3 +309,31 @@ def test_table_states_and_the_best_command(tmp_path):
     for png in ("optimization_history.png", "param_importances.png", "intermediate_values.png"):
         with open(os.path.join(prefix, "plots", png), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_a_failed_trial_retried_in_its_workdir_shows_none_of_its_retrys_metrics(tmp_path):
+    """Trial 0 failed (interrupted at step 20) and trial 1 ran it again in the same workdir to
+    its end: the table's row 0 has its reason and no step or metrics, row 1 the run's."""
+    from optuna.trial import TrialState
+
+    study = _study(tmp_path, "maximize")
+    study.set_user_attr("realm_jax", {"spec": "configs/realm.py:world", "extra": [],
+                                      "task": "realm", "kind": "search",
+                                      "objective": "eval/title_recall@5"})  # fmt: skip
+    workdir = os.path.join(str(tmp_path), "lr=0.001")
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "metrics.json"), "w") as f:
+        json.dump({"step": 400, "steps": 400, "complete": True, "eval_step": 400,
+                   "eval": {"title_recall@5": 0.99}}, f)  # fmt: skip
+    failed = study.ask()
+    failed.set_user_attr("workdir", workdir)
+    failed.set_user_attr("fail_reason", "interrupted (stopped at step 20 of 400)")
+    study.tell(failed, state=TrialState.FAIL)
+    retry = study.ask()
+    retry.set_user_attr("workdir", workdir)
+    retry.set_user_attr("rerun_of", 0)
+    study.tell(retry, 0.99)
+    r0, r1 = table.rows(study, str(tmp_path))
+    assert r0["state"] == "FAIL (retried as #1; interrupted (stopped at step 20 of 400))"
+    assert r0["step"] is None and "eval/title_recall@5" not in r0
+    assert r1["step"] == 400 and r1["eval/title_recall@5"] == 0.99
