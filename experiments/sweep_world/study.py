@@ -427,14 +427,22 @@ def run_jobs(jobs: list[Job], parallel: int, plan: bool) -> None:
             step = json.load(open(os.path.join(j.source, "metrics.json"))).get("step")
             record |= {"continued_from": j.source, "from_step": step, "trial_wall_s": j.base_wall}
         wall = run(j.args, j.log)
+        if not done(j.workdir):  # stopped (a SIGTERM checkpoints and exits 0): not a finished run
+            raise RuntimeError(f"{j.name} stopped before its last step (log {j.log})")
         if j.source:
             record["continuation_wall_s"] = wall
             wall += j.base_wall  # the trial's wall to where it stopped + the rest
         with open(j.workdir + ".run.json", "w") as f:
             json.dump({"wall_s": wall, **record}, f, indent=1)
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
-        futures = {pool.submit(one, j): j for j in todo}
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, parallel))
+    futures = {pool.submit(one, j): j for j in todo}
+    try:
+        concurrent.futures.wait(futures)
+    except BaseException:  # SIGTERM or Ctrl-C: start nothing more (the running runs got the
+        pool.shutdown(wait=False, cancel_futures=True)  # signal too, and checkpoint and stop)
+        raise
+    pool.shutdown()
     failed = [j for f, j in futures.items() if f.exception() is not None]
     if failed:
         raise SystemExit(

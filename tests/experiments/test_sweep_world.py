@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import re
+import sys
 
 import pytest
 
@@ -332,3 +333,37 @@ def test_a_pruned_trial_still_on_the_machine_is_continued_from_its_checkpoint(
     text = S.pruning_section(trials, to_end, s, "eval/title_recall@5")
     assert "| 3 | 300 | 42.0 | continued from there | 50.0 | 400 | 1m50s | no |" in text
     assert "| 2 | 250 | 30.0 |  | 50.0 | 400 | 0m30s | no |" in text
+
+
+def test_a_sigterm_mid_stage_starts_nothing_more_and_records_no_stopped_run(tmp_path, monkeypatch):
+    """The stage's runs get the SIGTERM too: each checkpoints and exits 0 before its last step.
+    The stage stops there: the queued runs are not started, and the stopped run has no
+    <workdir>.run.json (it is not finished; a re-run starts it again)."""
+    import signal
+    import time
+
+    started = []
+
+    def fake_run(args, log):
+        wd = args[args.index("--workdir") + 1]
+        started.append(os.path.basename(wd))
+        os.makedirs(wd, exist_ok=True)
+        first = len(started) == 1
+        json.dump({"complete": not first, "step": 7}, open(os.path.join(wd, "metrics.json"), "w"))
+        if first:
+            os.kill(os.getpid(), signal.SIGTERM)  # the session's end, mid-run
+            time.sleep(0.5)  # the run checkpoints and exits 0
+        return 5.0
+
+    monkeypatch.setattr(S, "run", fake_run)
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as main() installs it
+    jobs = [S.Job(f"r{i}", ["local", "--workdir", str(tmp_path / f"r{i}")], str(tmp_path / f"r{i}"),
+                  str(tmp_path / f"r{i}.log")) for i in range(3)]  # fmt: skip
+    try:
+        with pytest.raises(SystemExit):
+            S.run_jobs(jobs, 1, plan=False)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    time.sleep(2)  # the stopped run's end (0.5 s) and what a pool left running would start
+    assert started == ["r0"]
+    assert not os.path.exists(str(tmp_path / "r0") + ".run.json")
