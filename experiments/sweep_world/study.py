@@ -421,6 +421,8 @@ def run_jobs(jobs: list[Job], parallel: int, plan: bool) -> None:
     def one(j: Job) -> None:
         if os.path.exists(j.workdir):
             shutil.rmtree(j.workdir)
+        if os.path.exists(j.workdir + ".run.json"):  # an earlier, unfinished try's
+            os.remove(j.workdir + ".run.json")
         record = {"command": j.line()}
         if j.source:  # continued from the pruned trial's checkpoint: its copy resumes there
             shutil.copytree(j.source, j.workdir, ignore=shutil.ignore_patterns(*NOT_COPIED))
