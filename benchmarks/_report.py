@@ -22,16 +22,25 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
 
 
-def write_section(name: str, body: str, doc: str = DOC) -> None:
-    """Replace (or append) the section `## name` in docs/benchmarks.md (or `doc`)."""
+def _body(section: str) -> str:
+    """A written section's body: the text under its heading and its _Measured ..._ line."""
+    lines = section.strip().split("\n")[1:]
+    while lines and (not lines[0].strip() or lines[0].startswith("_Measured ")):
+        lines = lines[1:]
+    return "\n".join(lines).strip()
+
+
+def write_section(name: str, body: str, doc: str = DOC) -> bool:
+    """Replace (or append) the section `## name` in docs/benchmarks.md (or `doc`); False where
+    it already held these figures (left as it was, its stamp too)."""
     os.makedirs(os.path.dirname(doc), exist_ok=True)
     # two studies finishing at once (each reads, edits and writes the doc) must not lose a section
     with open(f"{doc}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _write_section(name, body, doc)
+        return _write_section(name, body, doc)
 
 
-def _write_section(name: str, body: str, doc: str) -> None:
+def _write_section(name: str, body: str, doc: str) -> bool:
     if os.path.exists(doc):
         text = open(doc).read()
     else:
@@ -39,10 +48,17 @@ def _write_section(name: str, body: str, doc: str) -> None:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     section = f"## {name}\n\n_Measured {stamp} on {machine()}._\n\n{body.strip()}\n\n"
     pattern = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
+    old = pattern.search(text)
+    if old and _body(old.group(0)) == body.strip():
+        # the same figures written again (a report rerun from kept results): the section keeps
+        # the stamp of when they were measured, not the rerun's
+        print(f"section {name!r} in {doc} unchanged")
+        return False
+    if old:
         text = pattern.sub(lambda _: section, text)
     else:
         text = text.rstrip("\n") + "\n\n" + section
     with open(doc, "w") as f:
         f.write(text)
     print(f"wrote section {name!r} to {doc}")
+    return True

@@ -591,6 +591,25 @@ def paired(results: dict, arms: tuple[str, str], seeds: list[int]) -> dict:
 # ---------------------------------------------------------------- stage 5: the README
 
 
+def per_seed(diff: dict) -> str:
+    """{seed: difference} -> 'seed 0 +43.8, seed 1 +1.2, ...' (points)."""
+    return ", ".join(f"seed {sd} {100 * d:+.1f}" for sd, d in sorted(diff.items()))
+
+
+def better(diff: dict) -> str:
+    """How many seeds the best arm won at: with 3 seeds, a sign count is the honest test (all 3
+    ahead happens by chance with probability 1/8 under no difference)."""
+    n, won = len(diff), sum(d > 0 for d in diff.values())
+    return f"ahead at {won} of {n} seeds (sign test p = {sign_p(won, n):.3g}, one-sided)"
+
+
+def sign_p(won: int, n: int) -> float:
+    """One-sided sign test: P(at least `won` of `n` fair coin flips)."""
+    from math import comb
+
+    return sum(comb(n, i) for i in range(won, n + 1)) / 2**n
+
+
 def pct(v: float | None) -> str:
     return "" if v is None else f"{100 * v:.1f}"
 
@@ -828,7 +847,7 @@ def compare_section(
         )
         out.append(
             f"- best - recipe, {k}: {100 * q['mean_diff']:+.1f} points "
-            f"[{100 * q['range'][0]:+.1f}, {100 * q['range'][1]:+.1f}]{unseen}."
+            f"({per_seed(q['diff'])}){unseen}; {better(q['diff'])}."
         )
     return "\n".join(out)
 
@@ -837,8 +856,12 @@ def copy_plots(setup: Setup) -> list[str]:
     """The study's plots copied beside the README (each under MAX_PLOT_BYTES); their names."""
     folder = os.path.join(setup.prefix, "plots")
     out = []
-    if not os.path.isdir(folder):
-        return out
+    if not os.path.isdir(folder):  # a study restored from kept/ (its plots are not kept)
+        from realm_jax.sweep import table
+
+        study = open_study(setup)
+        if study is None or not table.write_plots(study, setup.prefix):
+            return out
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if not name.endswith(".png"):
@@ -879,10 +902,22 @@ def found_line(
         f"Best trial ({label}) against the recipe, held-out recall@5 over seeds "
         f"{','.join(map(str, seeds))}: {pct(q5['mean'][best_name])}% against "
         f"{pct(q5['mean']['recipe'])}%, {100 * q5['mean_diff']:+.1f} points "
-        f"[{100 * q5['range'][0]:+.1f}, {100 * q5['range'][1]:+.1f}]{unseen}; pruning saved "
+        f"({per_seed(q5['diff'])}){unseen}; pruning saved "
         f"{100 * s['steps']['share']:.0f}% of the steps against the same trials run to the end, "
         f"{regret}."
     )
+
+
+def summary(doc: str, *names: str) -> dict:
+    """The README summary's lines named (of the five under its title), as set_summary sets them."""
+    import re
+
+    out = {}
+    for line in open(doc).read().split("\n")[2:7]:
+        m = re.match(r"- \*\*(\w+):\*\* (.*)", line)
+        if m and m.group(1) in names:
+            out[m.group(1)] = m.group(2)
+    return out
 
 
 def set_summary(doc: str, **text: str) -> None:
@@ -911,7 +946,7 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
     trials = study_trials(study)
     plots = copy_plots(setup)
     body = study_section(setup, study, trials, plots, workers)
-    write_section(SECTIONS[0], body, doc=setup.doc)
+    changed = write_section(SECTIONS[0], body, doc=setup.doc)
     to_end = {j.name: read_run(j.workdir, objective) for j in unpruned_jobs(setup, study)}
     to_end = {n: r for n, r in to_end.items() if r is not None}
     s = None
@@ -920,7 +955,8 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
     except KeyError as e:
         print(f"report: pruning not measured yet: {e}", flush=True)
     if s is not None:
-        write_section(SECTIONS[1], pruning_section(trials, to_end, s, objective), doc=setup.doc)
+        body = pruning_section(trials, to_end, s, objective)
+        changed |= write_section(SECTIONS[1], body, doc=setup.doc)
     best = best_params(study)
     if best is None:
         print("report: no complete trial: nothing to compare", flush=True)
@@ -937,18 +973,18 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
         return
     p = paired(results, arms, seeds)
     body = compare_section(results, arms, seeds, p, setup.realm, reused)
-    write_section(SECTIONS[2], body, doc=setup.doc)
+    changed |= write_section(SECTIONS[2], body, doc=setup.doc)
     if s is not None and os.path.exists(setup.doc):
         from experiments.tools.stage_stamp import commit
 
-        when = time.strftime("%Y-%m-%d", time.gmtime()) + f" (commit {commit()})"
         label = params_text(best[1])
-        set_summary(
-            setup.doc,
-            Ran=ran_line(s, seeds, workers),
-            Found=found_line(best[0], label, s, p, seeds, Objective(objective)),
-            When=when,
-        )
+        lines = {
+            "Ran": ran_line(s, seeds, workers),
+            "Found": found_line(best[0], label, s, p, seeds, Objective(objective)),
+        }
+        if changed or summary(setup.doc, *lines) != lines:  # new figures: When says when
+            lines["When"] = time.strftime("%Y-%m-%d", time.gmtime()) + f" (commit {commit()})"
+        set_summary(setup.doc, **lines)
 
 
 # ---------------------------------------------------------------- the kept state

@@ -210,7 +210,8 @@ def test_report_writes_the_sections_the_plots_and_the_summary(root, tmp_path):
     assert "the study's best with them: +5.0 points" in text
     assert "| 0 (the search's world) | 30.0 | 50.0 | 40.0 | 70.0 | +10.0 | +20.0 |" in text
     assert (
-        "- best - recipe, recall@5: +7.5 points [-5.0, +20.0]; over the seeds the search " in text
+        "- best - recipe, recall@5: +7.5 points (seed 0 +20.0, seed 1 -5.0); over the seeds the "
+        "search never saw: -5.0; ahead at 1 of 2 seeds (sign test p = 0.75, one-sided)." in text
     )
     assert os.path.exists(tmp_path / "optimization_history.png")
     assert not os.path.exists(tmp_path / "param_importances.png")
@@ -226,7 +227,7 @@ def test_report_writes_the_sections_the_plots_and_the_summary(root, tmp_path):
     ]
     assert "4 trials (2 complete, 2 pruned), 2 workers" in lines[3]
     assert "(lr=0.0005, embedder_lr_scale=0.1, num_candidates=8)" in lines[4]
-    assert "62.5% against 55.0%, +7.5 points [-5.0, +20.0]" in lines[4]
+    assert "62.5% against 55.0%, +7.5 points (seed 0 +20.0, seed 1 -5.0)" in lines[4]
     assert "pruning saved 16% of the steps" in lines[4] and "regret +5.0 points" in lines[4]
     assert "the study's own trial" not in text
     # the best trial's own finished run stands for its seed-0 arm, and the section says so
@@ -235,6 +236,29 @@ def test_report_writes_the_sections_the_plots_and_the_summary(root, tmp_path):
     text = doc.read_text()
     assert "At seed 0 the best arm is the study's own trial (`ROOT/study/n0`)" in text
     assert "| 0 (the search's world) | 30.0 | 50.0 | 45.0 | 75.0 | +15.0 | +25.0 |" in text
+    # the report rerun on the same figures (a new machine, restored from kept/) keeps the
+    # sections' stamps and the When line: they say when the figures were measured
+    old = re.sub(r"_Measured [^_]*_", "_Measured 2000-01-01 00:00 UTC on then._", text)
+    old = re.sub(r"- \*\*When:\*\* .*", "- **When:** 2000-01-01 (commit abc)", old)
+    doc.write_text(old)
+    S.report(setup, [0, 1])
+    assert doc.read_text() == old
+    finished_run(os.path.join(root, "compare", "recipe-s1"), r1=0.25, r5=0.60)  # new figures
+    S.report(setup, [0, 1])
+    text = doc.read_text()
+    assert text.count("_Measured 2000-01-01") == 2 and "2000-01-01 (commit" not in text
+
+
+def test_sign_test_against_hand_counts():
+    assert S.sign_p(3, 3) == 1 / 8 and S.sign_p(2, 3) == 4 / 8 and S.sign_p(0, 3) == 1.0
+
+
+def test_report_draws_the_plots_of_a_study_restored_without_them(root, tmp_path):
+    doc = tmp_path / "README.md"
+    doc.write_text("\n".join(open(S.RESULTS).read().split("\n")[:7]) + "\n")
+    S.report(S.Setup(root, doc=str(doc), plots_to=str(tmp_path)), [0, 1])
+    assert open(tmp_path / "optimization_history.png", "rb").read(4) == b"\x89PNG"
+    assert "![optimization_history.png](optimization_history.png)" in doc.read_text()
 
 
 def test_unknown_stage_is_refused(capsys, tmp_path):
