@@ -314,7 +314,19 @@ class Trial:
     examples: int | None = None  # held-out sentences its evaluation scored
 
 
-def study_trials(study) -> list[Trial]:
+def trial_workdir(t, prefix: str | None = None) -> str:
+    """The trial's workdir as the sweep recorded it, or, where that path is not on this machine
+    (the repository checked out elsewhere, the study restored from kept/), the same name under
+    `prefix` (ROOT/study) when it is there."""
+    wd = t.user_attrs.get("workdir", "")
+    if wd and prefix and not os.path.exists(wd):
+        here = os.path.join(prefix, os.path.basename(wd))
+        if os.path.exists(here):
+            return here
+    return wd
+
+
+def study_trials(study, prefix: str | None = None) -> list[Trial]:
     from realm_jax.sweep import table
     from realm_jax.workdir import metrics_path
 
@@ -322,7 +334,7 @@ def study_trials(study) -> list[Trial]:
     for t in study.get_trials(deepcopy=False):
         state = t.state.name
         curve = {int(s): float(v) for s, v in t.intermediate_values.items()}
-        workdir = t.user_attrs.get("workdir", "")
+        workdir = trial_workdir(t, prefix)
         metrics = table._read_json(metrics_path(workdir)) if workdir else {}
         if state == "PRUNED":
             step = t.last_step
@@ -387,7 +399,7 @@ def unpruned_jobs(setup: Setup, study) -> list[Job]:
     attrs = study_attrs(study)
     spec = attrs.get("spec", setup.realm)
     jobs = []
-    for t in study_trials(study):
+    for t in study_trials(study, setup.prefix):
         if t.state != "PRUNED":
             continue
         wd = os.path.join(setup.root, "unpruned", t.name)
@@ -943,7 +955,7 @@ def report(setup: Setup, seeds: list[int], workers: int = 2) -> None:
     attrs = study_attrs(study)
     objective = attrs.get("objective", "eval/title_recall@5")
     maximize = study.direction.name == "MAXIMIZE"
-    trials = study_trials(study)
+    trials = study_trials(study, setup.prefix)
     plots = copy_plots(setup)
     body = study_section(setup, study, trials, plots, workers)
     changed = write_section(SECTIONS[0], body, doc=setup.doc)
@@ -1000,7 +1012,7 @@ def finished_workdirs(setup: Setup, study) -> list[str]:
     if study is None:
         return out
     for t in study.get_trials(deepcopy=False):
-        wd = t.user_attrs.get("workdir", "")
+        wd = trial_workdir(t, setup.prefix)
         if t.state.name in ("COMPLETE", "PRUNED") and wd.startswith(setup.root + os.sep):
             out.append(wd)
     jobs = unpruned_jobs(setup, study)

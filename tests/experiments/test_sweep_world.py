@@ -261,6 +261,26 @@ def test_report_draws_the_plots_of_a_study_restored_without_them(root, tmp_path)
     assert "![optimization_history.png](optimization_history.png)" in doc.read_text()
 
 
+def test_a_study_restored_at_another_path_reads_and_keeps_its_trials_there(root, tmp_path, capsys):
+    """The study's storage names each trial's workdir by the path it ran at; restored from kept/
+    into a checkout elsewhere, the trials' ends are read, and kept, from ROOT/study there."""
+    import shutil
+
+    finished_run(os.path.join(root, "study", "n0"), step=350, r5=0.60)
+    kept = str(tmp_path / "kept")
+    S.keep(S.Setup(root, kept=kept))
+    capsys.readouterr()
+    shutil.rmtree(root)  # the first machine and its path are gone
+    moved = S.Setup(str(tmp_path / "elsewhere" / "sweep-world"), kept=kept)
+    S.restore(moved)
+    study = S.open_study(moved)
+    assert S.study_trials(study)[0].step == 400  # the recorded path is gone: its curve's end
+    assert S.study_trials(study, moved.prefix)[0].step == 350  # its metrics.json, read here
+    assert os.path.join(moved.prefix, "n0") in S.finished_workdirs(moved, study)
+    S.keep(moved)
+    assert "kept: the study and 1 finished runs' ends" in capsys.readouterr().out
+
+
 def test_unknown_stage_is_refused(capsys, tmp_path):
     with pytest.raises(SystemExit):
         S.main(["--stages", "study,bogus", "--root", str(tmp_path / "x")])
